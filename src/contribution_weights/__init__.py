@@ -1,0 +1,46 @@
+"""contribution-weights: which tokens really drive the attention layers of an LLM.
+
+Quick start::
+
+    import contribution_weights as cw
+    model = cw.load_model()                  # SmolLM2-135M-Instruct, embedded
+    trace = cw.trace(model, "Some text")     # all measures, all layers
+    trace["contribution"]                    # (layers, heads, T, T) float32
+    trace.summary()
+
+Layout (arrows point one way): ``measures`` (pure maths) ← ``capture`` (getting
+internals out of a model, and interventions) ← ``tracing`` / experiments ← ``results``
+← ``presentation`` ← ``cli``.
+"""
+
+from .capture import CaptureError, CaptureSession, LayerCall, capturing
+from .families import FamilySpec, UnsupportedModelError, register_family, supported_families
+from .loading import LoadedModel, ModelLoadError, load_model
+from .measures import Measure, get_measure, measure_names, register_measure
+from .results import Trace
+from .tracing import InputError, TraceOptions, trace
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CaptureError",
+    "CaptureSession",
+    "FamilySpec",
+    "InputError",
+    "LayerCall",
+    "LoadedModel",
+    "Measure",
+    "ModelLoadError",
+    "Trace",
+    "TraceOptions",
+    "UnsupportedModelError",
+    "__version__",
+    "capturing",
+    "get_measure",
+    "load_model",
+    "measure_names",
+    "register_family",
+    "register_measure",
+    "supported_families",
+    "trace",
+]

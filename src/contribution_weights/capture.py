@@ -1,0 +1,304 @@
+"""Getting attention internals out of a Hugging Face model, and changing them.
+
+Mechanism. transformers routes every attention layer of the supported families through
+``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``. We register one function,
+:func:`_attention`, under the name :data:`ATTN_IMPLEMENTATION` (with the eager mask
+function under the same name, without which transformers silently drops the causal
+mask), and switch a model to it only inside :func:`capturing`, which restores the
+previous implementation (sdpa, flash, eager…) in ``finally``.
+
+The function receives exactly what the model uses (queries and keys after RoPE and q/k
+norms, values per KV head, ``scaling``, ``softcap``, the mask with any sliding window,
+and the attention ``module``) and recomputes eager attention from them, so with capture
+on, logits are those of the model's own eager attention.
+
+Lifetimes. A :class:`CaptureSession` lives for one ``with capturing(...)`` block; it is
+found by the attention function through a context variable, so concurrent sessions in
+other threads or tasks do not see each other. Per layer the function builds a
+:class:`LayerCall` and hands the session:
+
+* an optional :class:`Intervention`, asked once per layer for multipliers of the
+  attention columns (``(B, H, T_k)``; multiplying column j by 0 removes ṽ_j from every
+  query, SPEC §4), and
+* :class:`Observer` objects, shown each block of queries with the probabilities that
+  were actually used.
+
+Queries are processed in blocks (all at once when they fit in ``block_bytes``), so
+memory per layer stays bounded at long context and no ``(H, T, T)`` tensor outlives its
+layer unless an observer keeps it.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from .families import FamilySpec, UnsupportedModelError, family_for
+from .measures.layer import LayerTensors, split_output_weight
+
+ATTN_IMPLEMENTATION = "contribution_weights"
+DEFAULT_BLOCK_BYTES = 512 * 1024**2
+
+_ACTIVE: contextvars.ContextVar[CaptureSession | None] = contextvars.ContextVar(
+    "contribution_weights_session", default=None
+)
+_registered = False
+
+
+class CaptureError(RuntimeError):
+    """The model did not run its attention through the capture function."""
+
+
+@dataclass
+class LayerCall:
+    """What the model handed the attention function for one layer."""
+
+    module: nn.Module
+    layer_idx: int
+    query: Tensor  # (B, H, Tq, d_h)
+    key: Tensor  # (B, G, Tk, d_h)
+    value: Tensor  # (B, G, Tk, d_h)
+    attention_mask: Tensor | None  # (B|1, 1, Tq, >=Tk), additive float or bool
+    scaling: float
+    softcap: float | None
+    spec: FamilySpec
+    session: CaptureSession
+
+    @property
+    def batch(self) -> int:
+        return self.query.shape[0]
+
+    @property
+    def num_heads(self) -> int:
+        return self.query.shape[1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.key.shape[1]
+
+    @property
+    def q_len(self) -> int:
+        return self.query.shape[2]
+
+    @property
+    def k_len(self) -> int:
+        return self.key.shape[2]
+
+    def row_blocks(self) -> list[slice]:
+        per_row = self.batch * self.num_heads * self.k_len * 4
+        step = max(1, self.session.block_bytes // max(1, per_row))
+        return [slice(s, min(self.q_len, s + step)) for s in range(0, self.q_len, step)]
+
+    def _expanded(self, x: Tensor) -> Tensor:
+        rep = self.num_heads // self.num_kv_heads
+        if rep == 1:
+            return x
+        b, g, t, d = x.shape
+        return x[:, :, None].expand(b, g, rep, t, d).reshape(b, g * rep, t, d)
+
+    def probs(self, rows: slice) -> Tensor:
+        """``(B, H, I, Tk)`` attention probabilities for query rows, as eager computes them."""
+        keys = self._expanded(self.key)
+        scores = torch.matmul(self.query[:, :, rows], keys.transpose(2, 3)) * self.scaling
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        mask = self.attention_mask
+        if mask is not None:
+            mask = mask[:, :, rows, : self.k_len]
+            if mask.dtype == torch.bool:
+                scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+            else:
+                scores = scores + mask
+        if self.spec.softmax_float32:
+            return nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(self.query.dtype)
+        return nn.functional.softmax(scores, dim=-1).type(self.value.dtype)
+
+    def valid(self, rows: slice) -> Tensor:
+        """``(B, I, Tk)`` bool: where each query may attend."""
+        b, i, t = self.batch, rows.stop - rows.start, self.k_len
+        mask = self.attention_mask
+        if mask is None:
+            q_pos = torch.arange(rows.start, rows.stop, device=self.query.device) + (t - self.q_len)
+            causal = torch.arange(t, device=self.query.device)[None, :] <= q_pos[:, None]
+            return causal.expand(b, i, t)
+        mask = mask[:, 0, rows, :t]
+        ok = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+        return ok.expand(b, i, t)
+
+    def output_blocks(self, dtype: torch.dtype) -> tuple[Tensor, Tensor | None, Tensor]:
+        """Per-head ``W_O`` blocks ``(H, d, d_h)``, bias and Gram matrices, in ``dtype``."""
+        return self.session.output_projection(self, dtype)
+
+    def layer_tensors(self, rows: slice, probs: Tensor, dtype: torch.dtype) -> LayerTensors:
+        """The pure-maths view of this layer for a block of queries, in ``dtype``."""
+        w_o, b_o, gram = self.output_blocks(dtype)
+        return LayerTensors(
+            probs.to(dtype), self.value.to(dtype), w_o, b_o, self.valid(rows), gram=gram
+        )
+
+
+class Observer(Protocol):
+    def observe(self, call: LayerCall, rows: slice, probs: Tensor) -> None: ...
+
+
+class Intervention(Protocol):
+    def column_scale(self, call: LayerCall) -> Tensor | None:
+        """``(B, H, Tk)`` multipliers for the attention columns of this layer, or None."""
+        ...
+
+
+@dataclass
+class CaptureSession:
+    """One capture: its observers, optional intervention, and per-layer bookkeeping."""
+
+    spec: FamilySpec
+    observers: Sequence[Observer] = ()
+    intervention: Intervention | None = None
+    block_bytes: int = DEFAULT_BLOCK_BYTES
+    layers_seen: list[int] = field(default_factory=list)
+    _weights: dict[tuple[int, torch.dtype], tuple[Tensor, Tensor | None, Tensor]] = field(
+        default_factory=dict
+    )
+
+    def output_projection(
+        self, call: LayerCall, dtype: torch.dtype
+    ) -> tuple[Tensor, Tensor | None, Tensor]:
+        key = (call.layer_idx, dtype)
+        if key not in self._weights:
+            weight, bias = self.spec.output_weight(call.module)
+            w_o = split_output_weight(weight.detach().to(call.query.device, dtype), call.num_heads)
+            b_o = None if bias is None else bias.detach().to(call.query.device, dtype)
+            gram = w_o.transpose(1, 2) @ w_o
+            self._weights[key] = (w_o, b_o, gram)
+        return self._weights[key]
+
+    def attend(self, call: LayerCall) -> Tensor:
+        self.layers_seen.append(call.layer_idx)
+        scale = self.intervention.column_scale(call) if self.intervention is not None else None
+        values = call._expanded(call.value)
+        outputs = []
+        for rows in call.row_blocks():
+            probs = call.probs(rows)
+            if scale is not None:
+                probs = probs * scale[:, :, None, :].to(probs.dtype)
+            for observer in self.observers:
+                observer.observe(call, rows, probs)
+            outputs.append(torch.matmul(probs, values))
+        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+        return out.transpose(1, 2).contiguous()
+
+    def reset(self) -> None:
+        self.layers_seen.clear()
+
+
+def _layer_index(module: nn.Module) -> int:
+    idx = getattr(module, "layer_idx", None)
+    if idx is None:
+        raise UnsupportedModelError(
+            f"{type(module).__name__} has no layer_idx; capture needs it to tell layers apart"
+        )
+    return int(idx)
+
+
+def _attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """The registered attention function (see module docstring)."""
+    session = _ACTIVE.get()
+    if session is None:
+        session = CaptureSession(spec=_fallback_spec(module))
+    if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
+        raise UnsupportedModelError("learned attention sinks (s_aux) are not supported yet")
+    call = LayerCall(
+        module=module,
+        layer_idx=_layer_index(module),
+        query=query,
+        key=key,
+        value=value,
+        attention_mask=attention_mask,
+        scaling=query.shape[-1] ** -0.5 if scaling is None else float(scaling),
+        softcap=softcap,
+        spec=session.spec,
+        session=session,
+    )
+    return session.attend(call), None
+
+
+def _fallback_spec(module: nn.Module) -> FamilySpec:
+    config = getattr(module, "config", None)
+    return family_for(config)
+
+
+def ensure_registered() -> None:
+    """Register the attention and mask functions with transformers (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, _attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, eager_mask)
+    _registered = True
+
+
+@contextmanager
+def capturing(
+    model: nn.Module,
+    observers: Sequence[Observer] = (),
+    intervention: Intervention | None = None,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+) -> Iterator[CaptureSession]:
+    """Run ``model`` through the capture function inside the block; restore it after.
+
+    The model is put in eval mode for the block (dropout off) and given back in the
+    attention implementation and train/eval mode it had.
+    """
+    ensure_registered()
+    config = model.config  # type: ignore[union-attr]
+    spec = family_for(config)
+    session = CaptureSession(
+        spec=spec, observers=observers, intervention=intervention, block_bytes=block_bytes
+    )
+    previous = config._attn_implementation
+    was_training = model.training
+    token = _ACTIVE.set(session)
+    try:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)  # type: ignore[operator]
+        if config._attn_implementation != ATTN_IMPLEMENTATION:
+            raise CaptureError(
+                f"{type(model).__name__} does not let its attention implementation be set, "
+                "so its internals cannot be captured (it must use transformers' AttentionInterface)"
+            )
+        model.eval()
+        yield session
+    finally:
+        _ACTIVE.reset(token)
+        if config._attn_implementation != previous:
+            model.set_attn_implementation(previous)  # type: ignore[operator]
+        model.train(was_training)
+
+
+def check_all_layers_seen(session: CaptureSession, num_layers: int) -> None:
+    """Fail loudly when some layer bypassed the capture function."""
+    seen = sorted(set(session.layers_seen))
+    if seen != list(range(num_layers)):
+        missing = sorted(set(range(num_layers)) - set(seen))
+        raise CaptureError(
+            f"attention layers {missing} did not run through the capture function; "
+            "the model may call its attention outside transformers' AttentionInterface"
+        )

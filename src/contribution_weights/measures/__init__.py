@@ -1,0 +1,28 @@
+"""Pure tensor maths: the per-layer measures (SPEC §2) and their aggregates (SPEC §3)."""
+
+from .aggregates import entropy, first_token_weight, normalised, token_scores
+from .layer import LayerTensors, safe_div, split_output_weight
+from .registry import (
+    Measure,
+    compute_measures,
+    get_measure,
+    measure_names,
+    register_measure,
+    resolve_measures,
+)
+
+__all__ = [
+    "LayerTensors",
+    "Measure",
+    "compute_measures",
+    "entropy",
+    "first_token_weight",
+    "get_measure",
+    "measure_names",
+    "normalised",
+    "register_measure",
+    "resolve_measures",
+    "safe_div",
+    "split_output_weight",
+    "token_scores",
+]

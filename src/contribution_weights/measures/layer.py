@@ -1,0 +1,225 @@
+"""The per-layer quantities of SPEC §2 as pure tensor maths.
+
+:class:`LayerTensors` holds what one attention layer produced for a block of queries
+(attention probabilities, values per KV head, the output projection) and derives every
+intermediate lazily, once: head outputs, the layer output ``o_i``, the inner products
+``⟨o_i, ṽ_j^(h)⟩`` and the norms ``‖ṽ_j^(h)‖``. Measures are small functions of those
+(see :mod:`.registry`).
+
+Nothing here builds the ``(H, I, T, d)`` tensor of all weighted projected values:
+
+* ``⟨o_i, ṽ_j^(h)⟩ = ⟨W_O^(h)ᵀ o_i, v_j⟩`` is a ``(I, d_h) · (d_h, T)`` product per head;
+* ``‖ṽ_j^(h)‖² = v_jᵀ (W_O^(h)ᵀ W_O^(h)) v_j`` uses a ``d_h × d_h`` Gram matrix;
+* ``⟨o_i^(h), ṽ_j^(h)⟩ = ⟨Gram_h z_i^(h), v_j⟩`` with ``z_i^(h) = Σ_j α_ij v_j``.
+
+The distance measure (an L1 norm) is the one exception; :func:`distance` walks the
+queries in sub-blocks so that memory stays under ``max_elements``.
+
+Shapes: ``B`` batch, ``H`` query heads, ``G`` KV heads, ``I`` queries in the block,
+``T`` keys, ``d_h`` head dim, ``d`` model dim. Where a norm in a denominator is zero the
+quantity is zero (never NaN or inf) and :attr:`LayerTensors.degenerate` flags the query.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+import torch
+from torch import Tensor
+
+
+def safe_div(num: Tensor, den: Tensor) -> Tensor:
+    """``num / den`` where ``den > 0``, else 0."""
+    ok = den > 0
+    return torch.where(ok, num / torch.where(ok, den, torch.ones_like(den)), torch.zeros_like(num))
+
+
+def split_output_weight(weight: Tensor, num_heads: int) -> Tensor:
+    """``W_O`` of shape ``(d, H*d_h)`` as per-head blocks ``(H, d, d_h)``."""
+    d, hd = weight.shape
+    if hd % num_heads:
+        raise ValueError(f"output projection input size {hd} is not a multiple of {num_heads} heads")
+    return weight.reshape(d, num_heads, hd // num_heads).permute(1, 0, 2)
+
+
+class LayerTensors:
+    """One attention layer's internals for a block of queries ``rows``.
+
+    Args:
+        probs: ``(B, H, I, T)`` attention probabilities (already zero where masked).
+        values: ``(B, G, T, d_h)`` value vectors per KV head.
+        w_o: ``(H, d, d_h)`` per-head output projection blocks (:func:`split_output_weight`).
+        b_o: ``(d,)`` output bias, or None.
+        valid: ``(B, I, T)`` bool, True where query ``i`` may attend to key ``j``.
+        gram: optional precomputed ``(H, d_h, d_h)`` ``W_O^(h)ᵀ W_O^(h)`` (it depends on the
+            layer only, so callers that walk query blocks pass it in).
+
+    All tensors must share one floating dtype (the compute dtype) and device.
+    """
+
+    def __init__(
+        self,
+        probs: Tensor,
+        values: Tensor,
+        w_o: Tensor,
+        b_o: Tensor | None,
+        valid: Tensor,
+        gram: Tensor | None = None,
+    ) -> None:
+        b, h, i, t = probs.shape
+        g = values.shape[1]
+        if h % g:
+            raise ValueError(f"{h} query heads do not divide into {g} KV heads")
+        if values.shape[2] != t or w_o.shape[0] != h or w_o.shape[2] != values.shape[3]:
+            raise ValueError(
+                f"shape mismatch: probs {tuple(probs.shape)}, values {tuple(values.shape)}, "
+                f"w_o {tuple(w_o.shape)}"
+            )
+        self.probs = probs
+        self.values = values
+        self.w_o = w_o
+        self.b_o = b_o
+        self.valid = valid
+        if gram is not None:
+            self.__dict__["gram"] = gram
+
+    # ---- intermediates ---------------------------------------------------------------
+    @cached_property
+    def head_values(self) -> Tensor:
+        """``(B, H, T, d_h)``: v_j^(g(h)) for every query head (GQA expanded)."""
+        h, g = self.probs.shape[1], self.values.shape[1]
+        return self.values.repeat_interleave(h // g, dim=1) if h != g else self.values
+
+    @cached_property
+    def gram(self) -> Tensor:
+        """``(H, d_h, d_h)``: W_O^(h)ᵀ W_O^(h)."""
+        return self.w_o.transpose(1, 2) @ self.w_o
+
+    @cached_property
+    def head_states(self) -> Tensor:
+        """``(B, H, I, d_h)``: z_i^(h) = Σ_j α_ij v_j (head output before W_O)."""
+        return self.probs @ self.head_values
+
+    @cached_property
+    def head_outputs(self) -> Tensor:
+        """``(B, H, I, d)``: o_i^(h) = W_O^(h) z_i^(h)."""
+        return torch.einsum("bhid,hed->bhie", self.head_states, self.w_o)
+
+    @cached_property
+    def output(self) -> Tensor:
+        """``(B, I, d)``: o_i = Σ_h o_i^(h) + b_O."""
+        out = self.head_outputs.sum(dim=1)
+        return out if self.b_o is None else out + self.b_o
+
+    @cached_property
+    def output_norm2(self) -> Tensor:
+        """``(B, I)``: ‖o_i‖²."""
+        return self.output.square().sum(-1)
+
+    @cached_property
+    def output_norm(self) -> Tensor:
+        return self.output_norm2.sqrt()
+
+    @cached_property
+    def head_output_norm2(self) -> Tensor:
+        """``(B, H, I)``: ‖o_i^(h)‖² = z Gram zᵀ."""
+        zg = self.head_states @ self.gram
+        return (zg * self.head_states).sum(-1).clamp_min(0)
+
+    @cached_property
+    def value_norm(self) -> Tensor:
+        """``(B, H, T)``: ‖ṽ_j^(h)‖ = sqrt(v_jᵀ Gram_h v_j)."""
+        vg = self.head_values @ self.gram
+        return (vg * self.head_values).sum(-1).clamp_min(0).sqrt()
+
+    @cached_property
+    def output_dot_values(self) -> Tensor:
+        """``(B, H, I, T)``: ⟨o_i, ṽ_j^(h)⟩ = ⟨W_O^(h)ᵀ o_i, v_j⟩."""
+        back = torch.einsum("bie,hed->bhid", self.output, self.w_o)
+        return back @ self.head_values.transpose(-1, -2)
+
+    @cached_property
+    def head_output_dot_values(self) -> Tensor:
+        """``(B, H, I, T)``: ⟨o_i^(h), ṽ_j^(h)⟩ = ⟨Gram_h z_i^(h), v_j⟩."""
+        return (self.head_states @ self.gram) @ self.head_values.transpose(-1, -2)
+
+    @cached_property
+    def degenerate(self) -> Tensor:
+        """``(B, I)`` bool: queries whose layer output is exactly zero."""
+        return self.output_norm2 <= 0
+
+    @cached_property
+    def bias_share(self) -> Tensor:
+        """``(B, I)``: ⟨o_i, b_O⟩ / ‖o_i‖² (0 for bias-free projections)."""
+        if self.b_o is None:
+            return torch.zeros_like(self.output_norm2)
+        return safe_div(self.output @ self.b_o, self.output_norm2)
+
+    def masked(self, x: Tensor) -> Tensor:
+        """Zero ``x`` (``(B, H, I, T)``) where the query cannot attend to the key."""
+        return torch.where(self.valid[:, None], x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+# ---- the measures of SPEC §2 -----------------------------------------------------------
+def attention(lt: LayerTensors) -> Tensor:
+    return lt.probs
+
+
+def contribution(lt: LayerTensors) -> Tensor:
+    """ĉ_ij^(h) = ⟨o_i, α_ij ṽ_j^(h)⟩ / ‖o_i‖²."""
+    return safe_div(lt.probs * lt.output_dot_values, lt.output_norm2[:, None, :, None])
+
+
+def intra(lt: LayerTensors) -> Tensor:
+    """č_ij^(h) = ⟨o_i^(h), α_ij ṽ_j^(h)⟩ / ‖o_i^(h)‖²."""
+    return safe_div(lt.probs * lt.head_output_dot_values, lt.head_output_norm2[..., None])
+
+
+def relative_norm(lt: LayerTensors) -> Tensor:
+    """r_ij^(h) = ‖ṽ_j^(h)‖ / ‖o_i‖."""
+    r = safe_div(lt.value_norm[:, :, None, :], lt.output_norm[:, None, :, None])
+    return lt.masked(r)
+
+
+def cosine(lt: LayerTensors) -> Tensor:
+    """κ_ij^(h) = cos(o_i, ṽ_j^(h))."""
+    den = lt.output_norm[:, None, :, None] * lt.value_norm[:, :, None, :]
+    return lt.masked(safe_div(lt.output_dot_values, den))
+
+
+def vw(lt: LayerTensors) -> Tensor:
+    """Value-weighted attention α_ij ‖ṽ_j^(h)‖ (Kobayashi et al. 2020)."""
+    return lt.probs * lt.value_norm[:, :, None, :]
+
+
+def vw_on(lt: LayerTensors) -> Tensor:
+    """Output-normalised value-weighted attention α_ij ‖ṽ_j^(h)‖ / ‖o_i‖."""
+    return safe_div(vw(lt), lt.output_norm[:, None, :, None])
+
+
+def ihc(lt: LayerTensors) -> Tensor:
+    """|ĉ|: the importance measure used for faithfulness."""
+    return contribution(lt).abs()
+
+
+def distance(lt: LayerTensors, max_elements: int = 1 << 25) -> Tensor:
+    """Ferrando et al. (2022): max(0, ‖o_i‖₁ − ‖o_i − α_ij ṽ_j^(h)‖₁), normalised per query.
+
+    Needs ``α_ij ṽ_j^(h)`` explicitly; built for sub-blocks of queries holding at most
+    ``max_elements`` numbers at a time.
+    """
+    b, h, i, t = lt.probs.shape
+    d = lt.w_o.shape[1]
+    projected = torch.einsum("bhtd,hed->bhte", lt.head_values, lt.w_o)  # (B, H, T, d)
+    out = lt.output
+    out_l1 = out.abs().sum(-1)  # (B, I)
+    result = torch.empty_like(lt.probs)
+    step = max(1, max_elements // max(1, b * h * t * d))
+    for start in range(0, i, step):
+        stop = min(i, start + step)
+        weighted = lt.probs[:, :, start:stop, :, None] * projected[:, :, None]  # (B,H,s,T,d)
+        rest = (out[:, None, start:stop, None, :] - weighted).abs().sum(-1)
+        result[:, :, start:stop] = (out_l1[:, None, start:stop, None] - rest).clamp_min(0)
+    result = lt.masked(result)
+    total = result.sum(dim=(1, 3), keepdim=True)
+    return safe_div(result, total)

@@ -1,0 +1,194 @@
+"""``trace``: one forward pass that records every requested measure, per layer and head.
+
+The forward runs under :func:`~.capture.capturing` with a :class:`TraceRecorder`
+observer. For each traced layer and block of queries the recorder builds the pure-maths
+:class:`~.measures.layer.LayerTensors` in the compute dtype (float32 by default, even
+for bf16/fp16 models) and writes each measure into a preallocated ``(L, H, T, T)``
+tensor. Layers that are not traced cost nothing beyond eager attention.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .capture import DEFAULT_BLOCK_BYTES, LayerCall, capturing, check_all_layers_seen
+from .loading import LoadedModel
+from .measures.registry import get_measure, resolve_measures
+from .results import Trace
+
+_COMPUTE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+class InputError(ValueError):
+    """Bad input to a trace: the message says what is wrong and how to fix it."""
+
+
+@dataclass
+class TraceOptions:
+    """Options shared by :func:`trace` and ``cw trace``.
+
+    Attributes:
+        measures: ``"all"`` or measure names (see ``cw measures``).
+        layers: model layers to trace (negative indices count from the end); None = all.
+        max_tokens: longest sequence accepted; default: the model's context length.
+        truncate: keep the first ``max_tokens`` tokens of a longer text instead of failing.
+        compute_dtype: ``"float32"`` (default) or ``"float64"``.
+        block_bytes: memory bound for one block of attention scores per layer.
+    """
+
+    measures: str | Sequence[str] = "all"
+    layers: Sequence[int] | None = None
+    max_tokens: int | None = None
+    truncate: bool = False
+    compute_dtype: str = "float32"
+    block_bytes: int = DEFAULT_BLOCK_BYTES
+
+    def as_kwargs(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class TraceRecorder:
+    """Observer writing the requested measures of the traced layers into tensors."""
+
+    measures: list[str]
+    layers: list[int]
+    num_tokens: int
+    dtype: torch.dtype
+    store: dict[str, Tensor] = field(default_factory=dict)
+    bias_share: Tensor | None = None
+    degenerate: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        self._position = {layer: pos for pos, layer in enumerate(self.layers)}
+
+    def _allocate(self, call: LayerCall) -> None:
+        n, t = len(self.layers), self.num_tokens
+        shape = (n, call.num_heads, t, t)
+        device = call.query.device
+        self.store = {m: torch.zeros(shape, dtype=self.dtype, device=device) for m in self.measures}
+        self.bias_share = torch.zeros(n, t, dtype=self.dtype, device=device)
+        self.degenerate = torch.zeros(n, t, dtype=torch.bool, device=device)
+
+    def observe(self, call: LayerCall, rows: slice, probs: Tensor) -> None:
+        pos = self._position.get(call.layer_idx)
+        if pos is None:
+            return
+        if not self.store:
+            self._allocate(call)
+        lt = call.layer_tensors(rows, probs, self.dtype)
+        for name in self.measures:
+            self.store[name][pos, :, rows] = get_measure(name).compute(lt)[0]
+        assert self.bias_share is not None and self.degenerate is not None
+        self.bias_share[pos, rows] = lt.bias_share[0]
+        self.degenerate[pos, rows] = lt.degenerate[0]
+
+
+def _resolve_layers(layers: Sequence[int] | None, num_layers: int) -> list[int]:
+    if layers is None:
+        return list(range(num_layers))
+    out: list[int] = []
+    for layer in layers:
+        idx = layer + num_layers if layer < 0 else layer
+        if not 0 <= idx < num_layers:
+            raise InputError(
+                f"layer {layer} is out of range: the model has {num_layers} layers "
+                f"(valid: 0..{num_layers - 1}, or negative from the end)"
+            )
+        if idx not in out:
+            out.append(idx)
+    return sorted(out)
+
+
+def encode(
+    model: LoadedModel, text: str | Sequence[int] | Tensor, max_tokens: int | None, truncate: bool
+) -> Tensor:
+    """Token ids ``(T,)`` for a text or ids, checked against the length limit."""
+    if isinstance(text, str):
+        if not text.strip():
+            raise InputError("the text is empty; pass some text to trace")
+        ids = torch.tensor(model.tokenizer(text, add_special_tokens=True)["input_ids"])
+    else:
+        ids = torch.as_tensor(text, dtype=torch.long).reshape(-1)
+    if ids.numel() == 0:
+        raise InputError("no tokens to trace; pass a non-empty text or id list")
+    limit = max_tokens or model.max_positions
+    if limit is not None and ids.numel() > limit:
+        if not truncate:
+            what = "--max-tokens" if max_tokens else "the model's context length"
+            raise InputError(
+                f"the text has {ids.numel()} tokens, more than {limit} ({what}); "
+                "pass truncate=True (CLI: --truncate) to keep the first "
+                f"{limit} tokens, or shorten the text"
+            )
+        ids = ids[:limit]
+    return ids
+
+
+def token_strings(model: LoadedModel, ids: Tensor) -> list[str]:
+    return [model.tokenizer.decode([int(i)]) for i in ids]
+
+
+def trace(
+    model: LoadedModel,
+    inputs: str | Sequence[int] | Tensor | Sequence[str],
+    *,
+    measures: str | Sequence[str] = "all",
+    layers: Sequence[int] | None = None,
+    max_tokens: int | None = None,
+    truncate: bool = False,
+    compute_dtype: str | torch.dtype = "float32",
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+) -> Any:
+    """Trace a text, token ids, or a list of texts (then a list of traces is returned).
+
+    Returns a :class:`~.results.Trace` whose tensors are ``(len(layers), H, T, T)`` in
+    the compute dtype. See :class:`TraceOptions` for the arguments.
+    """
+    if isinstance(inputs, (list, tuple)) and inputs and isinstance(inputs[0], str):
+        kwargs = dict(
+            measures=measures,
+            layers=layers,
+            max_tokens=max_tokens,
+            truncate=truncate,
+            compute_dtype=compute_dtype,
+            block_bytes=block_bytes,
+        )
+        return [trace(model, text, **kwargs) for text in inputs]  # type: ignore[arg-type]
+    if not isinstance(model, LoadedModel):
+        raise TypeError(
+            "trace() takes the LoadedModel returned by cw.load_model(); wrap your own model "
+            "as cw.LoadedModel(model=..., tokenizer=..., name=...)"
+        )
+    dtype = _COMPUTE_DTYPES.get(compute_dtype, None) if isinstance(compute_dtype, str) else None
+    dtype = dtype or (compute_dtype if isinstance(compute_dtype, torch.dtype) else None)
+    if dtype not in (torch.float32, torch.float64):
+        raise InputError(f"compute_dtype must be float32 or float64, not {compute_dtype!r}")
+    names = resolve_measures(measures)
+    layer_list = _resolve_layers(layers, model.num_layers)
+    ids = encode(model, inputs, max_tokens, truncate)  # type: ignore[arg-type]
+    recorder = TraceRecorder(names, layer_list, ids.numel(), dtype)
+    with torch.no_grad(), capturing(model.model, [recorder], block_bytes=block_bytes) as session:
+        model.model(input_ids=ids[None].to(model.device), use_cache=False)
+        check_all_layers_seen(session, model.num_layers)
+    assert recorder.bias_share is not None and recorder.degenerate is not None
+    return Trace(
+        measures={k: v.cpu() for k, v in recorder.store.items()},
+        input_ids=ids.cpu(),
+        tokens=token_strings(model, ids),
+        layers=layer_list,
+        bias_share=recorder.bias_share.cpu(),
+        degenerate=recorder.degenerate.cpu(),
+        model_name=model.name,
+        meta={
+            "model_type": model.config.model_type,
+            "compute_dtype": str(dtype).removeprefix("torch."),
+            "model_dtype": str(model.model.dtype).removeprefix("torch."),
+            "num_layers": model.num_layers,
+        },
+    )
