@@ -1,0 +1,46 @@
+"""The ``cw`` command line.
+
+Each sub-command lives in its own module exposing ``register(subparsers)``, which adds
+its parser and sets ``func`` (a callable taking the parsed arguments and returning an
+exit code). Choices such as measure names are read from the same registries the Python
+API uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from . import measures_cmd, trace_cmd
+
+COMMANDS = [trace_cmd, measures_cmd]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cw",
+        description="Contribution weights: which tokens really drive each attention layer.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for command in COMMANDS:
+        command.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from ..loading import ModelLoadError
+    from ..runs import RunFolderError
+    from ..tracing import InputError
+
+    try:
+        return int(args.func(args) or 0)
+    except (InputError, ModelLoadError, RunFolderError, ValueError, FileNotFoundError) as err:
+        print(f"cw {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"cw {args.command}: interrupted", file=sys.stderr)
+        return 130

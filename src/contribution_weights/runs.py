@@ -1,0 +1,117 @@
+"""Resumable run folders for long experiments (faithfulness, geometry, downstream).
+
+A run folder holds ``config.json`` (what was asked) and append-only CSV/JSONL files of
+finished units of work. Each finished unit is appended in one write followed by
+``fsync``, so an interrupted run keeps everything it finished; ``resume=True`` reads the
+keys already done and the experiment skips them. Resuming with a different config is
+refused, naming the keys that differ, so results never mix silently.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+
+class RunFolderError(RuntimeError):
+    """A run folder cannot be (re)used as asked."""
+
+
+class RunFolder:
+    """A folder of one experiment run."""
+
+    def __init__(self, path: str | Path, config: Mapping[str, Any], resume: bool = False):
+        self.path = Path(path)
+        self.config = dict(config)
+        cfg_file = self.path / "config.json"
+        if cfg_file.exists():
+            old = json.loads(cfg_file.read_text())
+            if not resume:
+                raise RunFolderError(
+                    f"{self.path} already holds a run; pass resume=True (CLI: --resume) to "
+                    "continue it, or choose another --out folder"
+                )
+            diff = sorted(k for k in set(old) | set(self.config) if old.get(k) != self.config.get(k))
+            if diff:
+                raise RunFolderError(
+                    f"cannot resume {self.path}: its config differs in {', '.join(diff)}; "
+                    "rerun with the same options or choose another --out folder"
+                )
+            for partial in [*self.path.glob("*.csv"), *self.path.glob("*.jsonl")]:
+                _drop_partial_last_line(partial)
+        else:
+            self.path.mkdir(parents=True, exist_ok=True)
+            tmp = cfg_file.with_suffix(".json.tmp")
+            tmp.write_text(json.dumps(self.config, indent=2, sort_keys=True))
+            os.replace(tmp, cfg_file)
+
+    def file(self, name: str) -> Path:
+        return self.path / name
+
+    def append_rows(self, name: str, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Append rows to a CSV in one write (header written when the file is new)."""
+        if not rows:
+            return
+        target = self.file(name)
+        fields = list(rows[0].keys())
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
+        if not target.exists() or target.stat().st_size == 0:
+            writer.writeheader()
+        writer.writerows(rows)
+        _append(target, buf.getvalue())
+
+    def read_rows(self, name: str) -> list[dict[str, str]]:
+        target = self.file(name)
+        if not target.exists():
+            return []
+        with target.open(newline="") as fh:
+            return [row for row in csv.DictReader(fh) if None not in row.values()]
+
+    def append_json(self, name: str, record: Mapping[str, Any]) -> None:
+        """Append one JSON record (one line) to a JSONL file."""
+        _append(self.file(name), json.dumps(record) + "\n")
+
+    def read_json(self, name: str) -> list[dict[str, Any]]:
+        target = self.file(name)
+        if not target.exists():
+            return []
+        out = []
+        for line in target.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:  # a line cut by a crash mid-write
+                continue
+        return out
+
+    def done_keys(self, name: str, key_fields: Iterable[str]) -> set[tuple[str, ...]]:
+        """Keys (as strings) of the rows already in a CSV file."""
+        fields = list(key_fields)
+        return {tuple(row[f] for f in fields) for row in self.read_rows(name)}
+
+    def write_json(self, name: str, data: Any) -> Path:
+        """Write a JSON file atomically (write to a temporary file, then rename)."""
+        target = self.file(name)
+        tmp = target.with_name(target.name + ".tmp")
+        tmp.write_text(json.dumps(data, indent=2))
+        os.replace(tmp, target)
+        return target
+
+
+def _append(target: Path, text: str) -> None:
+    with target.open("a") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _drop_partial_last_line(target: Path) -> None:
+    """Cut a last line left without its newline by a crash mid-write."""
+    data = target.read_bytes()
+    if data and not data.endswith(b"\n"):
+        target.write_bytes(data[: data.rfind(b"\n") + 1])
