@@ -1,0 +1,283 @@
+"""Evaluation data: language-modelling texts and multiple-choice tasks.
+
+Where data comes from, in order:
+
+1. a data directory: the ``data_dir`` argument (CLI ``--data-dir``), else the
+   ``CW_DATA_DIR`` environment variable. Its layout is that of the project's shared
+   sample (``gsm8k/test.jsonl``, ``fineweb_edu/*.jsonl``, ``mmlu/test/*_test.csv``,
+   ``winogrande/dev.jsonl``, ``boolq/val.jsonl``; see :data:`LAYOUT`);
+2. the Hugging Face hub through the ``datasets`` package, only when it is installed and
+   the hub is not switched off (``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE``);
+3. otherwise a :class:`DataError` that says where to put the files.
+
+Plain files of the user's own texts are read by :func:`read_texts` (``.jsonl`` with a
+text field, or ``.txt``: one text per blank-line-separated paragraph block, or the whole
+file when it has no blank line).
+
+Tasks are returned as :class:`ChoiceItem` (prompt, options, index of the right option),
+scored by comparing the log-likelihood of each option after the prompt (SPEC §4).
+Order is deterministic: the first ``n`` items of the split (MMLU: subjects interleaved,
+so a small ``n`` covers many subjects).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+TEXT_DATASETS = ("gsm8k", "fineweb-edu")
+TASKS = ("mmlu", "winogrande", "boolq")
+
+#: file (glob) of each data set inside a data directory
+LAYOUT: dict[str, str] = {
+    "gsm8k": "gsm8k/test.jsonl",
+    "fineweb-edu": "fineweb_edu/*.jsonl",
+    "mmlu": "mmlu/test/*_test.csv",
+    "winogrande": "winogrande/dev.jsonl",
+    "boolq": "boolq/val.jsonl",
+}
+
+#: hub fallback: (path, config name, split, streaming)
+HUB: dict[str, tuple[str, str | None, str, bool]] = {
+    "gsm8k": ("openai/gsm8k", "main", "test", False),
+    "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT", "train", True),
+    "mmlu": ("cais/mmlu", "all", "test", False),
+    "winogrande": ("allenai/winogrande", "winogrande_xl", "validation", False),
+    "boolq": ("google/boolq", None, "validation", False),
+}
+
+MMLU_LETTERS = ("A", "B", "C", "D")
+
+
+class DataError(FileNotFoundError):
+    """Data could not be found or read; the message says where to put it."""
+
+
+@dataclass(frozen=True)
+class ChoiceItem:
+    """One multiple-choice item: the answer is ``options[answer]`` after ``prompt``."""
+
+    prompt: str
+    options: list[str]
+    answer: int
+
+
+# ---- locating ------------------------------------------------------------------------
+def data_root(data_dir: str | os.PathLike[str] | None = None) -> Path | None:
+    """The data directory to use: the argument, else ``$CW_DATA_DIR``, else None."""
+    if data_dir is not None:
+        path = Path(data_dir).expanduser()
+        if not path.is_dir():
+            raise DataError(f"data directory {path} does not exist; pass an existing --data-dir")
+        return path
+    env = os.environ.get("CW_DATA_DIR")
+    return Path(env).expanduser() if env else None
+
+
+def _local_files(name: str, data_dir: str | os.PathLike[str] | None) -> list[Path]:
+    root = data_root(data_dir)
+    if root is None or not root.is_dir():
+        return []
+    return sorted(root.glob(LAYOUT[name]))
+
+
+def _hub_allowed() -> bool:
+    offline = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+    if any(os.environ.get(v, "").lower() in ("1", "true", "yes") for v in offline):
+        return False
+    import importlib.util
+
+    return importlib.util.find_spec("datasets") is not None
+
+
+def _missing(name: str, data_dir: str | os.PathLike[str] | None, why: str = "") -> DataError:
+    root = data_root(data_dir) if data_dir is not None else None
+    where = root or os.environ.get("CW_DATA_DIR") or "<DIR>"
+    return DataError(
+        f"no {name} data found{why}. Put the files at {Path(str(where)) / LAYOUT[name]} "
+        "and pass that folder as data_dir= (CLI: --data-dir DIR) or set CW_DATA_DIR=DIR; "
+        "or, online, `pip install datasets` to fetch "
+        f"{HUB[name][0]} from the Hugging Face hub; or give your own file "
+        "(read_texts / CLI --texts FILE.jsonl | --file FILE.txt)."
+    )
+
+
+def _hub_rows(name: str, data_dir: str | os.PathLike[str] | None) -> Iterator[dict[str, Any]]:
+    if not _hub_allowed():
+        raise _missing(name, data_dir, " locally, and the hub is not available")
+    import datasets
+
+    path, config, split, streaming = HUB[name]
+    try:
+        ds = datasets.load_dataset(path, config, split=split, streaming=streaming)
+    except Exception as err:  # network, auth, missing config: all mean "not available"
+        raise _missing(name, data_dir, f" locally, and the hub failed ({err})") from err
+    return iter(ds)
+
+
+def _jsonl(path: Path) -> Iterator[dict[str, Any]]:
+    with path.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if line.strip():
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise DataError(f"{path}:{lineno} is not valid JSON ({err.msg})") from err
+
+
+def _rows(name: str, data_dir: str | os.PathLike[str] | None) -> Iterator[dict[str, Any]]:
+    files = _local_files(name, data_dir)
+    if not files:
+        return _hub_rows(name, data_dir)
+    if name == "mmlu":
+        return _mmlu_rows(files)
+    return (row for f in files for row in _jsonl(f))
+
+
+def _take(items: Iterable[Any], n: int | None) -> list[Any]:
+    if n is not None and n < 1:
+        raise ValueError(f"n must be a positive number of items, not {n}")
+    return list(items if n is None else islice(items, n))
+
+
+# ---- texts ---------------------------------------------------------------------------
+def load_texts(
+    dataset: str, n: int | None = None, data_dir: str | os.PathLike[str] | None = None
+) -> list[str]:
+    """The first ``n`` texts of ``"gsm8k"`` (question + "\\n" + answer) or ``"fineweb-edu"``."""
+    key = dataset.lower().replace("_", "-")
+    if key not in TEXT_DATASETS:
+        raise ValueError(
+            f"unknown text data set {dataset!r}; choose one of {', '.join(TEXT_DATASETS)}, "
+            "or read your own file with read_texts(path)"
+        )
+    rows = _rows(key, data_dir)
+    if key == "gsm8k":
+        texts = (f"{r['question']}\n{r['answer']}" for r in rows)
+    else:
+        texts = (str(r["text"]) for r in rows)
+    return _take((t for t in texts if t.strip()), n)
+
+
+def read_texts(path: str | os.PathLike[str], field: str = "text") -> list[str]:
+    """Texts from a ``.jsonl`` file (``field`` of each record) or a ``.txt`` file.
+
+    A ``.txt`` file holds one text per block separated by blank lines (the whole file is
+    one text when it has no blank line).
+    """
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise DataError(f"text file {p} does not exist")
+    if p.suffix == ".jsonl":
+        texts = []
+        for i, rec in enumerate(_jsonl(p), 1):
+            if field not in rec:
+                raise DataError(
+                    f"{p}: record {i} has no field {field!r} (fields: {', '.join(rec)}); "
+                    "pass the right field (CLI: --field)"
+                )
+            texts.append(str(rec[field]))
+    elif p.suffix in (".txt", ".md", ""):
+        raw = p.read_text(encoding="utf-8")
+        blocks = [b.strip() for b in raw.replace("\r\n", "\n").split("\n\n")]
+        texts = [b for b in blocks if b] if len(blocks) > 1 else [raw.strip()]
+    else:
+        raise DataError(f"{p}: unsupported file type {p.suffix!r}; use .jsonl or .txt")
+    texts = [t for t in texts if t.strip()]
+    if not texts:
+        raise DataError(f"{p} holds no non-empty text")
+    return texts
+
+
+# ---- tasks ---------------------------------------------------------------------------
+def _mmlu_rows(files: list[Path]) -> Iterator[dict[str, Any]]:
+    """Rows of every subject, interleaved (one from each subject in turn)."""
+    readers = []
+    for f in files:
+        subject = f.name.removesuffix("_test.csv")
+        fh = f.open(newline="", encoding="utf-8")
+        readers.append((subject, csv.DictReader(fh), fh))
+    try:
+        while readers:
+            alive = []
+            for subject, reader, fh in readers:
+                row = next(reader, None)
+                if row is None:
+                    fh.close()
+                    continue
+                alive.append((subject, reader, fh))
+                yield {
+                    "subject": subject,
+                    "question": row["question"],
+                    "choices": [row[f"choice{k}"] for k in range(4)],
+                    "answer": int(row["answer"]),
+                }
+            readers = alive
+    finally:
+        for _, _, fh in readers:
+            fh.close()
+
+
+def mmlu_item(row: dict[str, Any]) -> ChoiceItem:
+    subject = str(row.get("subject", "")).replace("_", " ").strip()
+    head = f"The following is a multiple choice question about {subject}.\n\n" if subject else ""
+    lines = [head + str(row["question"]).strip()]
+    lines += [f"{letter}. {c}" for letter, c in zip(MMLU_LETTERS, row["choices"], strict=True)]
+    lines.append("Answer:")
+    return ChoiceItem("\n".join(lines), [f" {x}" for x in MMLU_LETTERS], int(row["answer"]))
+
+
+def winogrande_item(row: dict[str, Any]) -> ChoiceItem:
+    """Prompt: the sentence up to the blank; options: each filler plus the rest."""
+    sentence = str(row["sentence"])
+    if sentence.count("_") != 1:
+        raise DataError(f"WinoGrande sentence without exactly one blank: {sentence!r}")
+    before, after = sentence.split("_")
+    prompt = before.rstrip()
+    sep = " " if before.endswith(" ") else ""
+    options = [f"{sep}{row['option1']}{after}", f"{sep}{row['option2']}{after}"]
+    return ChoiceItem(prompt, options, int(row["answer"]) - 1)
+
+
+def boolq_item(row: dict[str, Any]) -> ChoiceItem:
+    label = row.get("label", row.get("answer"))
+    truth = label if isinstance(label, bool) else str(label).lower() == "true"
+    question = str(row["question"]).strip().rstrip("?")
+    question = question[:1].upper() + question[1:]
+    prompt = f"{str(row['passage']).strip()}\nQuestion: {question}?\nAnswer:"
+    return ChoiceItem(prompt, [" no", " yes"], int(truth))
+
+
+_TASK_ITEM = {"mmlu": mmlu_item, "winogrande": winogrande_item, "boolq": boolq_item}
+
+
+def load_task(
+    task: str, n: int | None = None, data_dir: str | os.PathLike[str] | None = None
+) -> list[ChoiceItem]:
+    """The first ``n`` items of ``"mmlu"`` (test), ``"winogrande"`` (dev) or ``"boolq"`` (val)."""
+    key = task.lower()
+    if key not in TASKS:
+        raise ValueError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
+    rows = _rows(key, data_dir)
+    if key == "mmlu" and not _local_files(key, data_dir):  # hub rows: adapt the fields
+        rows = ({**r, "choices": list(r["choices"])} for r in rows)
+    return _take((_TASK_ITEM[key](r) for r in rows), n)
+
+
+__all__ = [
+    "LAYOUT",
+    "TASKS",
+    "TEXT_DATASETS",
+    "ChoiceItem",
+    "DataError",
+    "data_root",
+    "load_task",
+    "load_texts",
+    "read_texts",
+]
