@@ -168,6 +168,18 @@ class Trace:
             meta=extra,
         )
 
+    # ---- interactive report (presentation layer, imported lazily) ---------------------
+    def to_html(self, path: str | Path, **kwargs: Any) -> Path:
+        """Write the interactive self-contained HTML report; see ``presentation.report``."""
+        from .presentation.report import write_report
+
+        return write_report(self, path, **kwargs).path  # type: ignore[return-value]
+
+    def _repr_html_(self) -> str:
+        from .presentation.report import notebook_html
+
+        return notebook_html(self)
+
     def __repr__(self) -> str:
         shape = tuple(next(iter(self.measures.values())).shape) if self.measures else ()
         return (
