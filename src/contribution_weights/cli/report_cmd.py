@@ -1,0 +1,129 @@
+"""``cw report``: one self-contained interactive HTML page for a text or a saved trace."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import time
+import warnings
+from pathlib import Path
+
+from ..presentation.report_data import PRECISIONS
+from .common import add_model_arguments, parse_int_list, read_text
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "m": 2**20, "mb": 2**20, "g": 2**30, "gb": 2**30}
+
+
+def parse_size(value: str) -> int | None:
+    """``"64M"``, ``"500k"``, ``"1234567"`` to bytes; ``"0"`` or ``"none"``: no limit."""
+    text = value.strip().lower()
+    if text in ("0", "none", "inf", "unlimited"):
+        return None
+    found = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-z]*)", text)
+    if not found or found.group(2) not in _UNITS:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a size; write e.g. 64M, 500k, 20MB or 0 for no limit"
+        )
+    return int(float(found.group(1)) * _UNITS[found.group(2)])
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from ..presentation.report import DEFAULT_MAX_BYTES, DEFAULT_MEASURES
+
+    p = sub.add_parser(
+        "report",
+        help="write an interactive, self-contained HTML report of a trace",
+        description="Trace a text (or load a saved trace folder) and write one HTML file that "
+        "opens offline in any browser: hover a token to see what it reads, heatmaps of "
+        "attention vs contribution, first-token weight per layer and the summary.",
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--text", help="the text to trace")
+    src.add_argument("--file", type=Path, help="read the text from a file ('-' for stdin)")
+    src.add_argument("--example", action="store_true", help="trace the packaged example text")
+    src.add_argument("--trace", type=Path, help="a folder written by `cw trace --out`")
+    add_model_arguments(p)
+    p.add_argument(
+        "--measures",
+        default=None,
+        help=f"comma-separated measures to embed (default: {','.join(DEFAULT_MEASURES)}, "
+        "those available; 'all' for every traced one)",
+    )
+    p.add_argument(
+        "--layers", type=parse_int_list, default=None, help="layers to embed, e.g. 0,5,-1 or 0-3"
+    )
+    p.add_argument("--max-tokens", type=int, default=None, help="longest text accepted")
+    p.add_argument(
+        "--truncate",
+        action="store_true",
+        help="keep the first --max-tokens tokens of a longer text",
+    )
+    p.add_argument(
+        "--max-bytes",
+        type=parse_size,
+        default=DEFAULT_MAX_BYTES,
+        help=f"size limit of the file, e.g. 20M (default {DEFAULT_MAX_BYTES // 2**20}M; 0: none); "
+        "over it, evenly spaced layers are kept and a warning says which",
+    )
+    p.add_argument(
+        "--precision",
+        default="uint8",
+        choices=PRECISIONS,
+        help="uint8: 8 bits per value, scaled per query row (default); float16: 2 bytes",
+    )
+    p.add_argument("--title", default=None, help="page title")
+    p.add_argument("--out", type=Path, required=True, help="the HTML file to write")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..presentation.report import DEFAULT_MEASURES, ReportSizeWarning, write_report
+    from ..results import Trace
+
+    if args.out.is_dir():
+        raise ValueError(f"--out {args.out} is a folder; give a file name such as report.html")
+    if args.trace is not None:
+        result = Trace.load(args.trace)
+        layers = args.layers
+        if layers is not None:
+            total = int(result.meta.get("num_layers", 0)) or None
+            layers = [x + total if x < 0 and total else x for x in layers]
+    else:
+        from ..loading import load_model
+        from ..tracing import trace
+
+        text = read_text(args)
+        model = load_model(args.model, dtype=args.dtype, device=args.device)
+        measures = args.measures or ",".join(DEFAULT_MEASURES)
+        start = time.perf_counter()
+        result = trace(
+            model,
+            text,
+            measures="all" if measures == "all" else measures,
+            layers=args.layers,
+            max_tokens=args.max_tokens,
+            truncate=args.truncate,
+        )
+        print(
+            f"{model.name}: traced {result.num_tokens} tokens, {len(result.layers)} layers in "
+            f"{time.perf_counter() - start:.1f} s"
+        )
+        layers = None  # the trace already holds just the requested layers
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ReportSizeWarning)  # printed below instead
+        info = write_report(
+            result,
+            args.out,
+            measures=args.measures,
+            layers=layers,
+            max_bytes=args.max_bytes,
+            precision=args.precision,
+            title=args.title,
+        )
+    print(
+        f"wrote {info.path} ({info.size_bytes / 2**20:.2f} MB; {len(info.layers)} of "
+        f"{len(result.layers)} layers; measures {', '.join(info.measures)}; {info.precision})"
+    )
+    for note in info.warnings:
+        print(f"warning: {note}")
+    return 0

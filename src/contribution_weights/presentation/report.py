@@ -1,0 +1,391 @@
+"""Interactive HTML report of a :class:`~contribution_weights.results.Trace`.
+
+:func:`write_report` writes ONE self-contained HTML file: the page's script, styles and
+data are inline, so it opens offline in any current browser and can be shared as is.
+In the page, hovering or clicking a token colours every earlier token by its weight for
+the chosen measure, layer and head (or the sum over heads, or the mean over layers); two
+heatmaps compare attention and contribution; a chart shows the first-token weight per
+layer, and a table the trace's summary.
+
+Lifetime of the data: the trace's float32 tensors are quantised here into compressed
+*chunks* (see :mod:`.report_data`: lower triangle only, 8-bit per row or float16), one
+per (measure, embedded layer) plus one per measure for the mean over all traced layers.
+The page inflates a chunk the first time it is shown and keeps a few dozen in memory.
+When the file would exceed ``max_bytes``, evenly spaced layers are kept (first and last
+included), a :class:`ReportSizeWarning` is issued and the page shows the same warning.
+
+In Jupyter, ``Trace._repr_html_`` calls :func:`notebook_html`: the same page in compact
+form, in an ``<iframe srcdoc>`` so its script and styles cannot clash with the notebook.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import re
+import warnings
+from dataclasses import dataclass, field
+from importlib.resources import files
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from ..measures.registry import get_measure
+from .report_data import ChunkInfo, b64, check_precision, decode_chunk, encode_chunk, rounding_note
+
+if TYPE_CHECKING:
+    from ..results import Trace
+
+DEFAULT_MEASURES = ("attention", "contribution", "intra", "vw", "vw_on", "distance")
+DEFAULT_MAX_BYTES = 64 * 2**20
+NOTEBOOK_MAX_BYTES = 8 * 2**20
+FORMAT_VERSION = 1
+_CHUNK_TAG = '<script type="application/x-cw-chunk" id="{id}">{data}</script>\n'
+
+
+class ReportSizeWarning(UserWarning):
+    """The report left out layers to stay under its size limit."""
+
+
+@dataclass
+class ReportInfo:
+    """What :func:`write_report` embedded, and where."""
+
+    path: Path | None
+    size_bytes: int
+    measures: list[str]
+    layers: list[int]
+    dropped_layers: list[int]
+    precision: str
+    warnings: list[str] = field(default_factory=list)
+
+
+def _asset(name: str) -> str:
+    return files("contribution_weights.presentation").joinpath("assets", name).read_text("utf-8")
+
+
+def _resolve_measures(
+    trace: Trace, measures: str | list[str] | tuple[str, ...] | None
+) -> list[str]:
+    if measures is None:
+        names = [m for m in DEFAULT_MEASURES if m in trace]
+        if not names:
+            raise ValueError(
+                "the trace has none of the report's default measures "
+                f"({', '.join(DEFAULT_MEASURES)}); it has {', '.join(trace.measures)}: "
+                "pass measures=[...] to choose from those"
+            )
+        return names
+    if measures == "all":
+        return list(trace.measures)
+    if isinstance(measures, str):
+        measures = [m.strip() for m in measures.split(",") if m.strip()]
+    names = []
+    for name in measures:
+        if name not in trace:
+            raise ValueError(
+                f"measure {name!r} is not in this trace (it has {', '.join(trace.measures)}); "
+                "trace it first or leave it out of the report"
+            )
+        if name not in names:
+            names.append(name)
+    if not names:
+        raise ValueError("no measure given for the report")
+    return names
+
+
+def _evenly_spaced(items: list[int], k: int) -> list[int]:
+    """``k`` items spread evenly over ``items``, first and last included (k ≥ 2)."""
+    if k >= len(items):
+        return list(items)
+    if k == 1:
+        return [items[len(items) // 2]]
+    idx = np.round(np.linspace(0, len(items) - 1, k)).astype(int)
+    return [items[i] for i in idx]
+
+
+def _is_signed(name: str, values: np.ndarray) -> bool:
+    try:
+        declared = get_measure(name).signed
+    except ValueError:
+        declared = False
+    return bool(declared or (values < 0).any())
+
+
+def _measure_meta(name: str, signed: bool) -> dict[str, Any]:
+    try:
+        m = get_measure(name)
+        return {"description": m.description, "signed": signed, "weight": m.is_weight}
+    except ValueError:
+        return {"description": name, "signed": signed, "weight": False}
+
+
+def _json_for_script(obj: Any) -> str:
+    """JSON that is safe inside a ``<script>`` element (no ``</script>``, no U+2028)."""
+    text = json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    return text.replace("<", "\\u003c").replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
+
+
+def _finite(x: float) -> float | None:
+    return float(x) if np.isfinite(x) else None
+
+
+def _summary_tables(trace: Trace) -> tuple[dict[str, Any], dict[str, Any]]:
+    if not trace.weight_measures():
+        return {"columns": [], "rows": []}, {"layers": trace.layers, "series": {}}
+    summary = trace.summary()
+    table = {
+        "columns": list(summary.columns),
+        "rows": [
+            {"measure": str(idx), **{c: _finite(v) for c, v in row.items()}}
+            for idx, row in summary.iterrows()
+        ],
+    }
+    by_layer = trace.first_token_weight_by_layer()
+    chart = {
+        "layers": [int(x) for x in by_layer.index],
+        "series": {c: [_finite(v) for v in by_layer[c]] for c in by_layer.columns},
+    }
+    return table, chart
+
+
+class _Encoded:
+    """Every chunk of a report, encoded once; layers are chosen afterwards by size."""
+
+    def __init__(
+        self, trace: Trace, names: list[str], layers: list[int], precision: str, progress: bool
+    ):
+        self.signed: dict[str, bool] = {}
+        self.layer_chunks: dict[int, list[tuple[ChunkInfo, str]]] = {layer: [] for layer in layers}
+        self.mean_chunks: list[tuple[ChunkInfo, str]] = []
+        bar = tqdm(
+            total=len(names) * (len(layers) + 1),
+            desc="report: encoding",
+            unit="chunk",
+            disable=not progress,
+        )
+        counter = 0
+        for name in names:
+            values = trace[name].detach().to("cpu").float().numpy()  # (L, H, T, T)
+            signed = self.signed[name] = _is_signed(name, values)
+            mean = np.concatenate([values.mean(0), values.sum(1).mean(0)[None]])
+            self.mean_chunks.append(self._chunk(name, "mean", mean, precision, signed, counter))
+            counter += 1
+            bar.update()
+            for layer in layers:
+                block = values[trace.layer_position(layer)]
+                blocks = np.concatenate([block, block.sum(0, keepdims=True)])
+                chunk = self._chunk(name, str(layer), blocks, precision, signed, counter)
+                self.layer_chunks[layer].append(chunk)
+                counter += 1
+                bar.update()
+        bar.close()
+
+    @staticmethod
+    def _chunk(
+        name: str, layer: str, blocks: np.ndarray, precision: str, signed: bool, n: int
+    ) -> tuple[ChunkInfo, str]:
+        text = b64(encode_chunk(blocks, precision, signed))
+        return ChunkInfo(name, layer, f"cw-c{n}", len(text)), text
+
+    def layer_bytes(self, layer: int) -> int:
+        return sum(
+            len(_CHUNK_TAG) + len(info.script_id) + info.compressed_bytes
+            for info, _ in self.layer_chunks[layer]
+        )
+
+
+def _render(
+    meta: dict[str, Any], chunks: list[tuple[ChunkInfo, str]], title: str, compact: bool
+) -> str:
+    meta = {**meta, "chunks": {f"{c.measure}/{c.layer}": c.script_id for c, _ in chunks}}
+    parts = {
+        "__CW_TITLE__": html.escape(title),
+        "__CW_BODY_CLASS__": "compact" if compact else "full",
+        "/*__CW_CSS__*/": _asset("report.css"),
+        "//__CW_JS__": _asset("report.js"),
+        "__CW_META__": _json_for_script(meta),
+        "<!--__CW_CHUNKS__-->": "".join(
+            _CHUNK_TAG.format(id=c.script_id, data=text) for c, text in chunks
+        ),
+    }
+    pattern = re.compile("|".join(re.escape(k) for k in parts))
+    return pattern.sub(lambda m: parts[m.group(0)], _asset("report.html"))
+
+
+def build_report(
+    trace: Trace,
+    *,
+    measures: str | list[str] | tuple[str, ...] | None = None,
+    layers: list[int] | None = None,
+    max_bytes: int | None = DEFAULT_MAX_BYTES,
+    precision: str = "uint8",
+    compact: bool = False,
+    title: str | None = None,
+    progress: bool = True,
+) -> tuple[str, ReportInfo]:
+    """The report's HTML text and what it holds (see :func:`write_report`)."""
+    check_precision(precision)
+    names = _resolve_measures(trace, measures)
+    wanted = list(trace.layers) if layers is None else sorted({int(x) for x in layers})
+    for layer in wanted:
+        trace.layer_position(layer)  # raises with the traced layers listed
+    if not wanted:
+        raise ValueError("no layer given for the report; pass layers=None for all traced layers")
+    enc = _Encoded(trace, names, wanted, precision, progress)
+    table, chart = _summary_tables(trace)
+    title = title or f"Contribution weights · {trace.model_name or 'trace'}"
+    meta: dict[str, Any] = {
+        "version": FORMAT_VERSION,
+        "title": title,
+        "model": trace.model_name,
+        "model_type": trace.meta.get("model_type", ""),
+        "tokens": list(trace.tokens),
+        "ids": [int(i) for i in trace.input_ids.tolist()],
+        "num_tokens": trace.num_tokens,
+        "num_heads": trace.num_heads,
+        "traced_layers": list(trace.layers),
+        "num_model_layers": trace.meta.get("num_layers", len(trace.layers)),
+        "measure_order": names,
+        "measures": {n: _measure_meta(n, enc.signed[n]) for n in names},
+        "precision": precision,
+        "rounding": rounding_note(precision, [n for n in names if enc.signed[n]]),
+        "summary": table,
+        "first_token_weight": chart,
+        "degenerate": {
+            str(layer): np.flatnonzero(trace.degenerate[i].numpy()).tolist()
+            for i, layer in enumerate(trace.layers)
+        },
+        "compact": compact,
+    }
+
+    def render(chosen: list[int], notes: list[str]) -> str:
+        chunks = list(enc.mean_chunks)
+        for name_index in range(len(names)):
+            chunks += [enc.layer_chunks[layer][name_index] for layer in chosen]
+        return _render({**meta, "layers": chosen, "warnings": notes}, chunks, title, compact)
+
+    page = render(wanted, [])
+    chosen, notes = wanted, []
+    if max_bytes is not None and len(page.encode()) > max_bytes:
+        fixed = len(page.encode()) - sum(enc.layer_bytes(layer) for layer in wanted)
+        full_mb = len(page.encode()) / 2**20
+        for k in range(len(wanted) - 1, 0, -1):
+            chosen = _evenly_spaced(wanted, k)
+            if fixed + sum(enc.layer_bytes(layer) for layer in chosen) + 2048 <= max_bytes:
+                break
+        else:
+            raise ValueError(
+                f"even one layer makes the report larger than max_bytes={max_bytes:,} "
+                f"(about {(fixed + min(map(enc.layer_bytes, wanted))) / 2**20:.1f} MB); raise "
+                "max_bytes (CLI: --max-bytes), embed fewer measures, or trace a shorter text"
+            )
+        dropped = [layer for layer in wanted if layer not in chosen]
+        notes = [
+            f"All {len(wanted)} layers would make {full_mb:.1f} MB, over the limit of "
+            f"{max_bytes / 2**20:.1f} MB: embedded {len(chosen)} evenly spaced layers "
+            f"({', '.join(map(str, chosen))}); left out {', '.join(map(str, dropped))}. "
+            f"'Mean over layers' still averages all {len(trace.layers)} traced layers. "
+            "Raise max_bytes (cw report --max-bytes), pick layers, or embed fewer measures."
+        ]
+        warnings.warn(ReportSizeWarning(notes[0]), stacklevel=3)
+        page = render(chosen, notes)
+    info = ReportInfo(
+        path=None,
+        size_bytes=len(page.encode()),
+        measures=names,
+        layers=list(chosen),
+        dropped_layers=[layer for layer in wanted if layer not in chosen],
+        precision=precision,
+        warnings=notes,
+    )
+    return page, info
+
+
+def write_report(
+    trace: Trace,
+    path: str | Path,
+    *,
+    measures: str | list[str] | tuple[str, ...] | None = None,
+    layers: list[int] | None = None,
+    max_bytes: int | None = DEFAULT_MAX_BYTES,
+    precision: str = "uint8",
+    compact: bool = False,
+    title: str | None = None,
+    progress: bool = True,
+) -> ReportInfo:
+    """Write the interactive report of ``trace`` as one self-contained HTML file.
+
+    Args:
+        measures: measures to embed; default: those of attention, contribution, intra,
+            vw, vw_on and distance that the trace holds; ``"all"`` for every one.
+        layers: model layers to embed (default: all traced layers).
+        max_bytes: size limit of the file (None: no limit). Over it, evenly spaced layers
+            are kept and a :class:`ReportSizeWarning` says which were left out.
+        precision: ``"uint8"`` (8 bits per value, scaled per query row) or ``"float16"``.
+        compact: the smaller layout used in notebooks.
+        title: page title (default: from the model name).
+        progress: show a progress bar while encoding.
+    """
+    page, info = build_report(
+        trace,
+        measures=measures,
+        layers=layers,
+        max_bytes=max_bytes,
+        precision=precision,
+        compact=compact,
+        title=title,
+        progress=progress,
+    )
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(page, encoding="utf-8")
+    info.path = out
+    return info
+
+
+def notebook_html(
+    trace: Trace, *, max_bytes: int | None = NOTEBOOK_MAX_BYTES, **kwargs: Any
+) -> str:
+    """The compact report inside an ``<iframe srcdoc>``, for Jupyter's ``_repr_html_``."""
+    kwargs.setdefault("progress", False)
+    page, _ = build_report(trace, max_bytes=max_bytes, compact=True, **kwargs)
+    return (
+        '<iframe class="cw-report" sandbox="allow-scripts" style="width:100%;height:640px;'
+        'border:1px solid #ddd;border-radius:6px" srcdoc="'
+        + html.escape(page, quote=True)
+        + '"></iframe>'
+    )
+
+
+@dataclass
+class EmbeddedReport:
+    """The data read back from a report file: page metadata and decoded values."""
+
+    meta: dict[str, Any]
+    values: dict[tuple[str, str], np.ndarray]  # (measure, layer or "mean") -> (H+1, T, T)
+
+
+def read_report(source: str | Path) -> EmbeddedReport:
+    """Decode the data embedded in a report (a path, or the HTML text itself)."""
+    text = str(source)
+    if "<html" not in text[:2000].lower():
+        text = Path(source).read_text("utf-8")
+    found = re.search(r'<script type="application/json" id="cw-meta">(.*?)</script>', text, re.S)
+    if found is None:
+        raise ValueError("this HTML holds no contribution-weights report data (no cw-meta)")
+    meta = json.loads(found.group(1))
+    blobs = dict(
+        re.findall(r'<script type="application/x-cw-chunk" id="([^"]+)">([^<]*)</script>', text)
+    )
+    k, t = meta["num_heads"] + 1, meta["num_tokens"]
+    values = {}
+    for key, script_id in meta["chunks"].items():
+        measure, layer = key.split("/")
+        raw = base64.b64decode(blobs[script_id])
+        signed = meta["measures"][measure]["signed"]
+        values[(measure, layer)] = decode_chunk(raw, meta["precision"], signed, k, t)
+    return EmbeddedReport(meta, values)

@@ -1,0 +1,157 @@
+"""The compact binary form of a trace that the HTML report embeds (pure numpy, no HTML).
+
+A report stores, per measure, one *chunk* per embedded layer plus one chunk ``"mean"``
+(the mean over all traced layers). A chunk holds ``K = H + 1`` query × key blocks: the
+H heads, then their sum over heads. Only the lower triangle (key ≤ query) is kept, row by
+row: block ``b``, query ``i``, key ``j`` sits at ``b·N + i(i+1)/2 + j`` with
+``N = T(T+1)/2``. Chunks are zlib-compressed (the page inflates them with the browser's
+``DecompressionStream``) and base64-encoded.
+
+Two precisions:
+
+* ``"uint8"`` (default): per query row, ``scale = max_j |w_ij| / 255`` (``/ 127`` for a
+  measure with negative values) is stored as float32, and each value as the nearest
+  integer multiple of it (uint8, or int8 when signed). The error is at most ``scale / 2``,
+  i.e. 1/510 (1/254) of the largest magnitude in that row of that block.
+* ``"float16"``: each value rounded to IEEE half precision (relative error ≤ 2⁻¹¹ for
+  |w| ≥ 6.1e-5, absolute error ≤ 2⁻²⁵ below; values beyond ±65504 are refused).
+
+Layout of a decompressed chunk: ``uint8``: ``K·T`` float32 scales, then ``K·N`` codes;
+``float16``: ``K·N`` float16. All little-endian.
+"""
+
+from __future__ import annotations
+
+import base64
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+PRECISIONS = ("uint8", "float16")
+FLOAT16_MAX = 65504.0
+
+
+def rounding_note(precision: str, signed_measures: list[str]) -> str:
+    """One sentence for the page saying exactly what was rounded and by how much."""
+    if precision == "uint8":
+        signed = ", ".join(signed_measures) or "none"
+        return (
+            "Weights are stored with 8 bits per value: in every row (one query, one layer, "
+            "one head or the head sum) each value is rounded to the nearest multiple of "
+            "max|row|/255 (max|row|/127 for measures with negative values: "
+            f"{signed}), so the error is at most 1/510 (1/254) of the row's largest "
+            "magnitude. Sums over heads and means over layers were computed from the exact "
+            "float32 trace, then rounded the same way. Summary numbers are exact."
+        )
+    if precision == "float16":
+        return (
+            "Weights are stored as IEEE float16 (about 3 significant digits: relative error "
+            "at most 2^-11 ≈ 0.05%; absolute error at most 3e-8 for |w| < 6.1e-5). Sums over "
+            "heads and means over layers were computed from the exact float32 trace, then "
+            "rounded the same way. Summary numbers are exact."
+        )
+    raise ValueError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
+
+
+def check_precision(precision: str) -> str:
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
+    return precision
+
+
+def lower_triangle(blocks: np.ndarray) -> np.ndarray:
+    """``(K, T, T)`` -> ``(K, T(T+1)/2)``: entries with key ≤ query, row by row."""
+    t = blocks.shape[-1]
+    qi, kj = np.tril_indices(t)
+    return blocks[:, qi, kj]
+
+
+def row_slices(t: int) -> np.ndarray:
+    """Start offset of each query row within a lower-triangle block (length ``T + 1``)."""
+    i = np.arange(t + 1)
+    return i * (i + 1) // 2
+
+
+def row_max_abs(tri: np.ndarray, t: int) -> np.ndarray:
+    """``(K, N)`` lower triangles -> ``(K, T)`` per-row max |value|."""
+    starts = row_slices(t)[:-1]
+    return np.maximum.reduceat(np.abs(tri), starts, axis=1)
+
+
+def encode_chunk(blocks: np.ndarray, precision: str, signed: bool) -> bytes:
+    """Quantise ``(K, T, T)`` blocks (lower triangle used) into a compressed chunk."""
+    blocks = np.asarray(blocks, dtype=np.float32)
+    if not np.isfinite(blocks).all():
+        raise ValueError("the trace holds NaN or infinite values; it cannot be embedded")
+    t = blocks.shape[-1]
+    tri = lower_triangle(blocks)
+    if precision == "float16":
+        peak = float(np.abs(tri).max()) if tri.size else 0.0
+        if peak > FLOAT16_MAX:
+            raise ValueError(
+                f"a value of magnitude {peak:.3g} does not fit float16 (max 65504); "
+                "use precision='uint8' (CLI: --precision uint8)"
+            )
+        raw = tri.astype("<f2").tobytes()
+    elif precision == "uint8":
+        levels = 127 if signed else 255
+        scale = (row_max_abs(tri, t) / levels).astype(np.float32)  # (K, T)
+        rows = np.repeat(np.arange(t), np.arange(1, t + 1))  # row of each triangle entry
+        per_entry = scale[:, rows].astype(np.float64)
+        safe = np.where(per_entry > 0, per_entry, 1.0)
+        codes = np.clip(np.rint(tri / safe), -levels if signed else 0, levels)
+        codes = np.where(per_entry > 0, codes, 0)
+        raw = (
+            scale.astype("<f4").tobytes() + codes.astype(np.int8 if signed else np.uint8).tobytes()
+        )
+    else:
+        check_precision(precision)
+        raise AssertionError  # unreachable
+    return zlib.compress(raw, 6)
+
+
+def decode_chunk(data: bytes, precision: str, signed: bool, k: int, t: int) -> np.ndarray:
+    """Inverse of :func:`encode_chunk`: ``(K, T, T)`` float64, zeros above the diagonal."""
+    raw = zlib.decompress(data)
+    n = t * (t + 1) // 2
+    if precision == "float16":
+        tri = np.frombuffer(raw, dtype="<f2", count=k * n).astype(np.float64).reshape(k, n)
+    elif precision == "uint8":
+        scale = np.frombuffer(raw, dtype="<f4", count=k * t).astype(np.float64).reshape(k, t)
+        codes = np.frombuffer(raw, dtype=np.int8 if signed else np.uint8, offset=4 * k * t)
+        rows = np.repeat(np.arange(t), np.arange(1, t + 1))
+        tri = codes.reshape(k, n).astype(np.float64) * scale[:, rows]
+    else:
+        raise ValueError(f"unknown precision {precision!r}")
+    out = np.zeros((k, t, t))
+    qi, kj = np.tril_indices(t)
+    out[:, qi, kj] = tri
+    return out
+
+
+def error_bound(blocks: np.ndarray, precision: str, signed: bool) -> np.ndarray:
+    """``(K, T, T)``: the largest error the stated rounding allows at each position."""
+    blocks = np.asarray(blocks, dtype=np.float64)
+    if precision == "float16":
+        return np.maximum(np.abs(blocks) * 2.0**-11, 2.0**-25)
+    levels = 127 if signed else 255
+    t = blocks.shape[-1]
+    lower = np.tril(np.ones((t, t), dtype=bool))
+    peak = np.where(lower, np.abs(blocks), 0).max(axis=-1, keepdims=True)
+    # half a step of the stored (float32) scale; 1e-6 covers the scale's own rounding
+    return np.broadcast_to(peak / levels * 0.5 * (1 + 1e-6), blocks.shape)
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+@dataclass(frozen=True)
+class ChunkInfo:
+    """Where a chunk lives in the page and how to read it."""
+
+    measure: str
+    layer: str  # model layer index as text, or "mean"
+    script_id: str
+    compressed_bytes: int
