@@ -1,0 +1,105 @@
+"""``cw faithfulness``: comprehensiveness and sufficiency of measures (paper Figure 3)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..experiments.faithfulness import DEFAULT_MEASURES, DEFAULT_RATES
+from ..interventions import MODES, SCOPES
+from ..measures.registry import measure_names
+from .common import add_model_arguments
+
+
+def parse_rates(value: str) -> list[float]:
+    try:
+        rates = [float(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        msg = f"rates must be numbers like 0.1,0.2, not {value!r}"
+        raise argparse.ArgumentTypeError(msg) from None
+    if not rates or any(not 0 <= r <= 1 for r in rates):
+        raise argparse.ArgumentTypeError(f"rates must lie in [0, 1], got {value!r}")
+    return rates
+
+
+def parse_names(value: str) -> list[str]:
+    return [x.strip() for x in value.replace(" ", ",").split(",") if x.strip()]
+
+
+def add_removal_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--measures",
+        type=parse_names,
+        default=list(DEFAULT_MEASURES),
+        help=f"comma-separated measures (default {','.join(DEFAULT_MEASURES)}; "
+        f"any of {', '.join(measure_names())})",
+    )
+    p.add_argument(
+        "--rates",
+        type=parse_rates,
+        default=list(DEFAULT_RATES),
+        help=f"removal rates p (default {','.join(map(str, DEFAULT_RATES))})",
+    )
+    p.add_argument("--max-tokens", type=int, default=512, help="truncate texts (default 512)")
+    p.add_argument(
+        "--no-sink-protection",
+        dest="protect_sinks",
+        action="store_false",
+        help="let sink tokens be removed too (appendix C.3)",
+    )
+    p.add_argument("--n", type=int, default=None, help="use the first N texts/items")
+    p.add_argument("--data-dir", type=Path, default=None, help="data folder (else $CW_DATA_DIR)")
+    p.add_argument("--out", type=Path, required=True, help="output folder")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out")
+    p.add_argument("--batch-size", type=int, default=None, help="rows per forward (default: auto)")
+    add_model_arguments(p)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "faithfulness",
+        help="comprehensiveness/sufficiency: ΔPPL when the top/bottom tokens of each measure "
+        "are removed",
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--dataset", choices=["gsm8k", "fineweb-edu"], help="evaluation data set")
+    src.add_argument("--texts", type=Path, help="a .jsonl file of texts (field: --field)")
+    src.add_argument("--file", type=Path, help="a .txt file (texts separated by blank lines)")
+    p.add_argument("--field", default="text", help="JSONL field holding the text (default text)")
+    p.add_argument("--modes", type=parse_names, default=list(MODES), help="default: both")
+    p.add_argument("--scope", choices=SCOPES, default="layer", help="ranking scope")
+    add_removal_arguments(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .. import data
+    from ..experiments.faithfulness import faithfulness
+    from ..loading import load_model
+
+    if args.dataset:
+        texts = data.load_texts(args.dataset, args.n, args.data_dir)
+        source = args.dataset
+    else:
+        path = args.texts or args.file
+        texts = data.read_texts(path, field=args.field)
+        texts = texts[: args.n] if args.n else texts
+        source = str(path)
+    model = load_model(args.model, dtype=args.dtype, device=args.device)
+    result = faithfulness(
+        model,
+        texts,
+        measures=args.measures,
+        rates=args.rates,
+        modes=args.modes,
+        protect_sinks=args.protect_sinks,
+        scope=args.scope,
+        max_tokens=args.max_tokens,
+        out=args.out,
+        resume=args.resume,
+        batch_size=args.batch_size,
+        source=source,
+    )
+    print(result.summary.to_string(index=False, float_format=lambda x: f"{x:.4g}"))
+    print(f"wrote {args.out}/per_sequence.csv, summary.csv, faithfulness.png")
+    return 0

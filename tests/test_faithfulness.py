@@ -1,0 +1,321 @@
+"""Removal interventions and the faithfulness experiment (SPEC §4).
+
+Unit tier: tiny random models, brute-force float64 references. Slow tier: SmolLM2 on a
+few short real texts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import transformers as tf
+from tiny_models import CharTokenizer, tiny_model
+
+import contribution_weights as cw
+from contribution_weights.capture import capturing
+from contribution_weights.experiments.faithfulness import (
+    SUMMARY_COLUMNS,
+    FaithfulnessResult,
+    faithfulness,
+)
+from contribution_weights.experiments.removal import token_logprobs
+from contribution_weights.interventions import (
+    CLEAN,
+    Removal,
+    SequentialRemoval,
+    global_thresholds,
+    removal_count,
+    sink_mask,
+    tracking_sinks,
+)
+from contribution_weights.measures.aggregates import token_scores
+from contribution_weights.measures.registry import get_measure
+
+TEXT = "the cat sat on the mat and looked at the dog"
+
+
+def _ids(text: str = TEXT) -> torch.Tensor:
+    return torch.tensor(CharTokenizer()(text)["input_ids"])
+
+
+class FixedScale:
+    """Column scales given per layer: ``{layer: (B, H, T)}``."""
+
+    def __init__(self, scales: dict[int, torch.Tensor]):
+        self.scales = scales
+
+    def column_scale(self, call):
+        return self.scales.get(call.layer_idx)
+
+
+def _no_gqa_llama() -> cw.LoadedModel:
+    torch.manual_seed(1)
+    config = tf.LlamaConfig(
+        vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
+        attention_bias=True,
+    )  # fmt: skip
+    model = tf.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.1)
+    return cw.LoadedModel(model, CharTokenizer(), "tiny-llama-mha")
+
+
+def test_column_removal_equals_zeroed_projected_value_brute_force():
+    """Column j of head h times 0 == ṽ_j^(h) = W_O^(h) v_j^(h) set to 0 (v_proj output zeroed)."""
+    lm = _no_gqa_llama()
+    model = lm.model.double()
+    ids = _ids()[None]
+    t, h, dh = ids.shape[1], 4, 8
+    removed = {0: [(1, 3), (2, 5), (2, 0)], 1: [(0, 7), (3, 2), (3, 10)]}  # layer: (head, token)
+    scales = {}
+    for layer, pairs in removed.items():
+        s = torch.ones(1, h, t, dtype=torch.float64)
+        for head, tok in pairs:
+            s[0, head, tok] = 0
+        scales[layer] = s
+    with torch.no_grad(), capturing(model, intervention=FixedScale(scales)):
+        ours = model(input_ids=ids).logits
+
+    def zero_values(layer):
+        def hook(_m, _inp, out):
+            out = out.clone()
+            for head, tok in removed[layer]:
+                out[:, tok, head * dh : (head + 1) * dh] = 0
+            return out
+
+        return hook
+
+    model.set_attn_implementation("eager")
+    handles = [
+        model.model.layers[i].self_attn.v_proj.register_forward_hook(zero_values(i))
+        for i in removed
+    ]
+    try:
+        with torch.no_grad():
+            brute = model(input_ids=ids).logits
+            clean = model.model(input_ids=ids)  # hooks on: only to keep the code path alive
+    finally:
+        for hd in handles:
+            hd.remove()
+    del clean
+    torch.testing.assert_close(ours, brute, rtol=1e-10, atol=1e-10)
+    with torch.no_grad():
+        untouched = model(input_ids=ids).logits
+    assert (untouched - brute).abs().max() > 1e-4  # the removal did something
+
+
+def test_removal_count_is_ceiling_without_float_noise():
+    n = torch.tensor([10, 7, 0, 1])
+    assert removal_count(0.3, n).tolist() == [3, 3, 0, 1]
+    assert removal_count(0.0, n).tolist() == [0, 0, 0, 0]
+    assert removal_count(1.0, n).tolist() == [10, 7, 0, 1]
+
+
+def _run_history(lm, removals, ids, **kw):
+    inter = SequentialRemoval(removals, keep_history=True, **kw)
+    with torch.no_grad(), tracking_sinks(lm.model) as sinks:
+        inter.sinks = sinks
+        with capturing(lm.model, intervention=inter):
+            logits = lm.model(input_ids=ids[None].expand(len(removals), -1)).logits
+    return inter.history, logits
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "gpt2"])
+def test_sequential_scores_use_earlier_removals_and_select_top_k(model_type):
+    lm = tiny_model(model_type)
+    ids = _ids()
+    removals = [Removal("ihc", "comprehensiveness", 0.4), Removal("vw", "sufficiency", 0.3)]
+    history, logits = _run_history(lm, removals, ids)
+    layers = sorted(history)
+    assert layers == list(range(lm.num_layers))
+    for b, r in enumerate(removals):
+        scales: dict[int, torch.Tensor] = {}
+        for layer in layers:
+            rec = history[layer]
+            # brute force: replay the earlier removals, score this layer in float64
+            seen = {}
+
+            class Probe:
+                def observe(self, call, rows, probs, layer=layer, seen=seen, r=r):
+                    if call.layer_idx == layer:
+                        lt = call.layer_tensors(rows, probs, torch.float64)
+                        seen["w"] = get_measure(r.measure).compute(lt)[0]
+
+            with torch.no_grad(), capturing(lm.model, [Probe()], FixedScale(dict(scales))):
+                lm.model(input_ids=ids[None])
+            # the probe saw probs after this layer's own removal: undo by recomputing clean
+            # probs of this layer is not needed, the layer has no scale yet in `scales`
+            expected = token_scores(seen["w"])
+            torch.testing.assert_close(rec.scores[b].double(), expected, rtol=1e-4, atol=1e-6)
+            # top/bottom ⌈p·N⌉ eligible tokens per head, by brute-force sorting
+            elig = rec.eligible[b]
+            k = math.ceil(round(r.rate * int(elig.sum()), 6))
+            for head in range(lm.num_heads):
+                cand = [j for j in range(len(ids)) if elig[j]]
+                cand.sort(key=lambda j, h=head: float(rec.scores[b, h, j]),
+                          reverse=r.mode == "comprehensiveness")  # fmt: skip
+                got = set(torch.nonzero(rec.removed[b, head]).flatten().tolist())
+                assert got == set(cand[:k])
+            scales[layer] = (~rec.removed[b : b + 1]).double()
+        # the replayed removals give the same logits as the sequential pass
+        with torch.no_grad(), capturing(lm.model, intervention=FixedScale(scales)):
+            replay = lm.model(input_ids=ids[None]).logits[0]
+        torch.testing.assert_close(replay, logits[b], rtol=1e-5, atol=1e-5)
+    # and layer-1 scores are not those of the clean pass
+    clean_hist, _ = _run_history(lm, [Removal("ihc", "comprehensiveness", 0.0)], ids)
+    assert not torch.allclose(clean_hist[1].scores[0], history[1].scores[0])
+
+
+def test_rate_zero_reproduces_clean_perplexity_exactly():
+    lm = tiny_model("llama")
+    res = faithfulness(lm, [TEXT, TEXT[::-1]], measures=["attention", "ihc"], rates=[0.0, 0.5],
+                       progress=False)  # fmt: skip
+    df = res.per_sequence
+    zero = df[df.rate == 0.0]
+    assert (zero.nll == zero.nll_clean).all() and (zero.delta_ppl == 0).all()
+    # the clean value is the plain model's perplexity (capture off)
+    with torch.no_grad():
+        logits = lm.model(input_ids=_ids()[None]).logits[0]
+    nll = torch.nn.functional.cross_entropy(logits[:-1].double(), _ids()[1:]).item()
+    assert df[df.seq == 0].nll_clean.iloc[0] == pytest.approx(nll, rel=1e-5)
+    assert (df[df.rate == 0.5].delta_nll != 0).all()
+
+
+@pytest.mark.parametrize("scope", ["layer", "global"])
+def test_batched_equals_one_configuration_at_a_time(scope):
+    lm = tiny_model("qwen2")
+    kw = dict(measures=["attention", "vw_on", "distance"], rates=[0.2, 0.6], scope=scope,
+              progress=False)  # fmt: skip
+    batched = faithfulness(lm, [TEXT], **kw).per_sequence
+    single = faithfulness(lm, [TEXT], batch_size=1, **kw).per_sequence
+    assert len(batched) == 3 * 2 * 2
+    torch.testing.assert_close(
+        torch.tensor(batched.nll.values), torch.tensor(single.nll.values), rtol=1e-5, atol=1e-6
+    )
+
+
+def test_sink_mask_brute_force():
+    torch.manual_seed(0)
+    h = torch.randn(2, 6, 8, dtype=torch.float64)
+    h[0, 3] = 2.5 * h[0, 0]  # same direction as token 0
+    h[1, 4] = h[1, 0] + 1e-3
+    mask = sink_mask(h)
+    for b in range(2):
+        for j in range(6):
+            cos = torch.dot(h[b, j], h[b, 0]) / (h[b, j].norm() * h[b, 0].norm())
+            assert bool(mask[b, j]) == (j == 0 or bool(cos > 0.95))
+    assert mask[0, 3] and mask[1, 4] and mask[:, 0].all()
+
+
+def test_sinks_excluded_when_protected_and_eligible_when_not():
+    lm = tiny_model("llama")
+    # token 5 repeats token 0's id: identical layer-0 input (embedding), so a sink there
+    ids = torch.tensor([7, 20, 31, 42, 53, 7, 64, 75, 11, 22])
+    rm = [Removal("attention", "comprehensiveness", 1.0)]
+    hist, _ = _run_history(lm, rm, ids, protect_sinks=True)
+    assert not hist[0].eligible[0, 0] and not hist[0].eligible[0, 5]
+    assert not hist[0].removed[0, :, [0, 5]].any()
+    assert hist[0].removed[0, :, [1, 2, 3, 4, 6, 7, 8, 9]].all()  # rate 1: all eligible
+    hist, _ = _run_history(lm, rm, ids, protect_sinks=False)
+    assert hist[0].eligible[0].all() and hist[0].removed[0].all()
+
+
+def test_global_thresholds_are_clean_pass_quantiles():
+    lm = tiny_model("llama")
+    ids = _ids()
+    rm = [Removal("ihc", "comprehensiveness", 0.25), Removal("ihc", "sufficiency", 0.25), CLEAN]
+    out = global_thresholds(lm.model, ids, rm)
+    hist, _ = _run_history(lm, [Removal("ihc", "comprehensiveness", 0.0)], ids)
+    pooled = torch.cat([rec.scores[0][:, rec.eligible[0]].reshape(-1) for rec in hist.values()])
+    pooled = pooled.double()
+    assert out[0].threshold == pytest.approx(torch.quantile(pooled, 0.75).item(), rel=1e-6)
+    assert out[1].threshold == pytest.approx(torch.quantile(pooled, 0.25).item(), rel=1e-6)
+    assert out[2].threshold is None
+    # at layer 0 (no earlier removal) exactly the tokens beyond the threshold go
+    hist_g, _ = _run_history(lm, out[:1], ids, scope="global")
+    rec = hist_g[0]
+    expect = (rec.scores[0] > out[0].threshold) & rec.eligible[0][None]
+    assert torch.equal(rec.removed[0], expect)
+
+
+def test_token_logprobs_checks_shapes():
+    lm = tiny_model("llama")
+    with pytest.raises(ValueError, match="one row per removal"):
+        token_logprobs(lm, _ids()[None], [CLEAN, CLEAN])
+
+
+def test_bad_options_fail_with_the_fix():
+    lm = tiny_model("llama")
+    with pytest.raises(ValueError, match="valid measures"):
+        faithfulness(lm, [TEXT], measures=["nope"], progress=False)
+    with pytest.raises(ValueError, match="mode"):
+        faithfulness(lm, [TEXT], modes=["both"], progress=False)
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        faithfulness(lm, [TEXT], rates=[1.5], progress=False)
+
+
+def test_run_folder_files_resume_and_summary(tmp_path):
+    lm = tiny_model("gpt2")
+    texts = [TEXT, "a short one here", "x" * 30]
+    kw = dict(measures=["attention", "ihc"], rates=[0.1, 0.5], progress=False)
+    first = faithfulness(lm, texts[:2], out=tmp_path / "run", **kw)
+    assert {p.name for p in (tmp_path / "run").iterdir()} >= {
+        "config.json", "per_sequence.csv", "summary.csv", "faithfulness.png"
+    }  # fmt: skip
+    # resume with more texts is refused (different config); same texts: nothing redone
+    with pytest.raises(Exception, match="config differs"):
+        faithfulness(lm, texts, out=tmp_path / "run", resume=True, **kw)
+    again = faithfulness(lm, texts[:2], out=tmp_path / "run", resume=True, **kw)
+    assert len(again.per_sequence) == len(first.per_sequence) == 2 * 2 * 2 * 2
+    # an interrupted run: drop the second sequence's rows, resume recomputes only them
+    csv = tmp_path / "run" / "per_sequence.csv"
+    lines = csv.read_text().splitlines(keepends=True)
+    csv.write_text("".join(lines[:9]))
+    resumed = faithfulness(lm, texts[:2], out=tmp_path / "run", resume=True, **kw)
+    torch.testing.assert_close(
+        torch.tensor(resumed.per_sequence.delta_nll.values),
+        torch.tensor(first.per_sequence.delta_nll.values),
+    )
+    summary = resumed.summary
+    assert list(summary.columns) == SUMMARY_COLUMNS and (summary.n == 2).all()
+    sub = resumed.per_sequence
+    row = summary[(summary.measure == "ihc") & (summary["mode"] == "sufficiency")].iloc[1]
+    vals = sub[(sub.measure == "ihc") & (sub["mode"] == "sufficiency") & (sub.rate == 0.5)]
+    assert row.delta_ppl_mean == pytest.approx(vals.delta_ppl.mean())
+    assert row.delta_ppl_se == pytest.approx(vals.delta_ppl.std(ddof=1) / math.sqrt(2))
+    loaded = FaithfulnessResult.load(tmp_path / "run")
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["measures"] == [
+        "attention", "ihc"
+    ]  # fmt: skip
+    assert len(loaded.summary) == len(summary)
+
+
+def test_cli_faithfulness_on_a_text_file(tmp_path, monkeypatch):
+    from contribution_weights.cli import main
+
+    lm = tiny_model("llama")
+    monkeypatch.setattr("contribution_weights.loading.load_model", lambda *a, **k: lm)
+    f = tmp_path / "t.txt"
+    f.write_text(TEXT + "\n\nsecond text for the run\n")
+    rc = main(["faithfulness", "--file", str(f), "--measures", "attention,ihc", "--rates",
+               "0.2,0.4", "--out", str(tmp_path / "o")])  # fmt: skip
+    assert rc == 0
+    assert (tmp_path / "o" / "summary.csv").read_text().splitlines()[0] == ",".join(SUMMARY_COLUMNS)
+
+
+@pytest.mark.slow
+def test_smollm2_ihc_comprehensiveness_grows_with_rate(smollm2, shared_data):
+    from contribution_weights.data import load_texts
+
+    texts = load_texts("gsm8k", 2, shared_data)
+    res = faithfulness(smollm2, texts, measures=["ihc"], rates=[0.05, 0.2, 0.5],
+                       modes=["comprehensiveness"], max_tokens=48, progress=False)  # fmt: skip
+    s = res.summary.sort_values("rate")
+    d = s.delta_ppl_mean.to_numpy()
+    assert (d[1:] > d[:-1]).all() and d[0] > 0, s
