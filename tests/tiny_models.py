@@ -107,3 +107,23 @@ def tiny_model(model_type: str, seed: int = 0, dtype: torch.dtype = torch.float3
             if name.endswith("bias"):
                 param.normal_(0, 0.1)
     return LoadedModel(model=model, tokenizer=CharTokenizer(), name=f"tiny-{model_type}")
+
+
+def char_tokenizer_fast() -> Any:
+    """A real (saveable) Hugging Face tokenizer: one token per printable ASCII character."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, **{chr(c): c - 31 for c in range(32, 32 + VOCAB - 1)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    return tf.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+
+
+def save_tiny(model_type: str, folder: Any, seed: int = 0) -> Any:
+    """Save a tiny random model and a char tokenizer as a local model folder."""
+    loaded = tiny_model(model_type, seed=seed)
+    # keep AutoTokenizer on the saved char tokenizer, not the family's own class
+    loaded.model.config.tokenizer_class = "TokenizersBackend"
+    loaded.model.save_pretrained(folder)
+    char_tokenizer_fast().save_pretrained(folder)
+    return folder

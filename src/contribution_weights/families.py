@@ -50,7 +50,9 @@ class FamilySpec:
     softmax_float32: bool = True
     notes: str = ""
 
-    def output_weight(self, attention_module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def output_weight(
+        self, attention_module: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The output projection's weight as ``(d, H*d_h)`` and its bias (or None)."""
         proj = getattr(attention_module, self.output_projection, None)
         if proj is None:

@@ -79,7 +79,9 @@ class LoadedModel:
 def _package_dir(package: str, pip_hint: str) -> Path:
     spec = importlib.util.find_spec(package)  # locate without importing (its deps are absent)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(f"the package {package!r} is not installed; install it with: {pip_hint}")
+        raise ModelLoadError(
+            f"the package {package!r} is not installed; install it with: {pip_hint}"
+        )
     return Path(next(iter(spec.submodule_search_locations)))
 
 
@@ -149,7 +151,14 @@ def _dequantise_to_cache(gguf: Path) -> Path:
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".partial-"))
     try:
-        model.save_pretrained(tmp)
+        # save_pretrained refuses models loaded through the GGUF quantizer, although the
+        # weights are already plain float tensors: write config and weights ourselves.
+        from safetensors.torch import save_model
+
+        model.config.save_pretrained(tmp)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(tmp)
+        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tokenizer.save_pretrained(tmp)
         (tmp / "COMPLETE").write_text(str(gguf) + "\n")
         if folder.exists():

@@ -63,7 +63,9 @@ class Trace:
         try:
             return self.layers.index(layer)
         except ValueError:
-            raise ValueError(f"layer {layer} was not traced; traced layers: {self.layers}") from None
+            raise ValueError(
+                f"layer {layer} was not traced; traced layers: {self.layers}"
+            ) from None
 
     def weight_measures(self) -> list[str]:
         return [m for m in self.measures if get_measure(m).is_weight]
@@ -183,6 +185,6 @@ class Trace:
     def __repr__(self) -> str:
         shape = tuple(next(iter(self.measures.values())).shape) if self.measures else ()
         return (
-            f"Trace(model={self.model_name!r}, tokens={self.num_tokens}, layers={len(self.layers)}, "
-            f"measures={list(self.measures)}, shape={shape})"
+            f"Trace(model={self.model_name!r}, tokens={self.num_tokens}, "
+            f"layers={len(self.layers)}, measures={list(self.measures)}, shape={shape})"
         )

@@ -36,7 +36,9 @@ class RunFolder:
                     f"{self.path} already holds a run; pass resume=True (CLI: --resume) to "
                     "continue it, or choose another --out folder"
                 )
-            diff = sorted(k for k in set(old) | set(self.config) if old.get(k) != self.config.get(k))
+            diff = sorted(
+                k for k in set(old) | set(self.config) if old.get(k) != self.config.get(k)
+            )
             if diff:
                 raise RunFolderError(
                     f"cannot resume {self.path}: its config differs in {', '.join(diff)}; "

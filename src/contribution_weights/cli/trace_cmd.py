@@ -3,16 +3,93 @@
 from __future__ import annotations
 
 import argparse
+import time
+from pathlib import Path
 
-from .common import add_model_arguments, add_text_arguments
+from ..measures.registry import measure_names
+from ..tracing import TraceOptions
+from .common import add_model_arguments, add_text_arguments, parse_int_list, read_text
+
+
+def _pairs(value: str) -> list[tuple[int, int]]:
+    out = []
+    for part in value.split(","):
+        layer, sep, head = part.strip().partition(":")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"{part!r} is not LAYER:HEAD (e.g. 0:3,15:2)")
+        out.append((int(layer), int(head)))
+    return out
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("trace", help="trace a text: per-layer, per-head measures and figures")
+    p = sub.add_parser(
+        "trace",
+        help="trace a text: per-layer, per-head measures, summary and figures",
+        description="Trace a text through the model and write DIR/trace.safetensors (one "
+        "(L, H, T, T) tensor per measure plus bias_share), DIR/tokens.json, DIR/summary.json "
+        "and figures.",
+    )
     add_text_arguments(p)
     add_model_arguments(p)
+    p.add_argument(
+        "--measures",
+        default="all",
+        help=f"comma-separated measures or 'all' (valid: {', '.join(measure_names())})",
+    )
+    p.add_argument(
+        "--layers", type=parse_int_list, default=None, help="layers to trace, e.g. 0,5,-1 or 0-3"
+    )
+    p.add_argument("--max-tokens", type=int, default=None, help="longest text accepted")
+    p.add_argument(
+        "--truncate",
+        action="store_true",
+        help="keep the first --max-tokens tokens of a longer text",
+    )
+    p.add_argument("--compute-dtype", default="float32", choices=["float32", "float64"])
+    p.add_argument(
+        "--heads",
+        type=_pairs,
+        default=None,
+        help="LAYER:HEAD pairs for the heatmap figure (default: the heads where attention and "
+        "contribution disagree most on token 0, in 3 layers)",
+    )
+    p.add_argument("--no-figures", action="store_true", help="skip the PNG figures")
+    p.add_argument("--out", type=Path, required=True, help="output folder")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    raise NotImplementedError
+    from ..loading import load_model
+    from ..tracing import trace
+
+    text = read_text(args)
+    options = TraceOptions(
+        measures=args.measures,
+        layers=args.layers,
+        max_tokens=args.max_tokens,
+        truncate=args.truncate,
+        compute_dtype=args.compute_dtype,
+    )
+    model = load_model(args.model, dtype=args.dtype, device=args.device)
+    start = time.perf_counter()
+    result = trace(model, text, **options.as_kwargs())
+    elapsed = time.perf_counter() - start
+    out = result.save(args.out)
+    written = ["trace.safetensors", "tokens.json", "meta.json", "summary.json"]
+    if not args.no_figures:
+        from ..presentation import figures
+
+        figures.save(figures.plot_heatmaps(result, args.heads), out / "heatmaps.png")
+        written.append("heatmaps.png")
+        if any(m in result for m in figures.FIRST_TOKEN_MEASURES):
+            figures.save(figures.plot_first_token_weight(result), out / "first_token_weight.png")
+            written.append("first_token_weight.png")
+    print(
+        f"{model.name}: {result.num_tokens} tokens, {len(result.layers)} layers x "
+        f"{result.num_heads} heads, {len(result.measures)} measures in {elapsed:.1f} s"
+    )
+    summary = result.summary()
+    if not summary.empty:
+        print(summary.to_string(float_format=lambda v: f"{v:.3f}"))
+    print(f"wrote {', '.join(written)} to {out}")
+    return 0

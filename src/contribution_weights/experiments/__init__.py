@@ -1,0 +1,1 @@
+"""Experiments built on capture and measures: faithfulness, value geometry, sinks."""

@@ -1,0 +1,1 @@
+"""Presentation: figures and reports drawn from result objects (never from models)."""
