@@ -13,7 +13,10 @@ internals out of a model, and interventions) ← ``tracing`` / experiments ← `
 ← ``presentation`` ← ``cli``.
 """
 
+from . import data
 from .capture import CaptureError, CaptureSession, LayerCall, capturing
+from .experiments.downstream import DownstreamResult, downstream
+from .experiments.faithfulness import FaithfulnessResult, faithfulness
 from .families import FamilySpec, UnsupportedModelError, register_family, supported_families
 from .loading import LoadedModel, ModelLoadError, load_model
 from .measures import Measure, get_measure, measure_names, register_measure
@@ -25,6 +28,8 @@ __version__ = "0.1.0"
 __all__ = [
     "CaptureError",
     "CaptureSession",
+    "DownstreamResult",
+    "FaithfulnessResult",
     "FamilySpec",
     "InputError",
     "LayerCall",
@@ -36,6 +41,9 @@ __all__ = [
     "UnsupportedModelError",
     "__version__",
     "capturing",
+    "data",
+    "downstream",
+    "faithfulness",
     "get_measure",
     "load_model",
     "measure_names",
