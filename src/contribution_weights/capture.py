@@ -269,7 +269,7 @@ def capturing(
     attention implementation and train/eval mode it had.
     """
     ensure_registered()
-    config = model.config  # type: ignore[union-attr]
+    config: Any = model.config
     spec = family_for(config)
     session = CaptureSession(
         spec=spec, observers=observers, intervention=intervention, block_bytes=block_bytes
