@@ -159,13 +159,16 @@ def trace(
             compute_dtype=compute_dtype,
             block_bytes=block_bytes,
         )
-        return [trace(model, text, **kwargs) for text in inputs]  # type: ignore[arg-type]
+        from tqdm.auto import tqdm
+
+        texts = tqdm(inputs, desc="trace", unit="text", disable=len(inputs) < 2)
+        return [trace(model, text, **kwargs) for text in texts]  # type: ignore[arg-type]
     if not isinstance(model, LoadedModel):
         raise TypeError(
             "trace() takes the LoadedModel returned by cw.load_model(); wrap your own model "
             "as cw.LoadedModel(model=..., tokenizer=..., name=...)"
         )
-    dtype = _COMPUTE_DTYPES.get(compute_dtype, None) if isinstance(compute_dtype, str) else None
+    dtype = _COMPUTE_DTYPES.get(compute_dtype) if isinstance(compute_dtype, str) else None
     dtype = dtype or (compute_dtype if isinstance(compute_dtype, torch.dtype) else None)
     if dtype not in (torch.float32, torch.float64):
         raise InputError(f"compute_dtype must be float32 or float64, not {compute_dtype!r}")
