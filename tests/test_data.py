@@ -1,0 +1,103 @@
+"""cw.data: the shared data directory, plain files, and the offline error."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from contribution_weights import data
+from contribution_weights.data import ChoiceItem, DataError
+
+
+def test_gsm8k_is_question_newline_answer(shared_data):
+    texts = data.load_texts("gsm8k", 3, shared_data)
+    first = json.loads((shared_data / "gsm8k" / "test.jsonl").open().readline())
+    assert len(texts) == 3
+    assert texts[0] == first["question"] + "\n" + first["answer"]
+    assert all("####" in t for t in texts)
+
+
+def test_fineweb_edu_all_and_first_n(shared_data):
+    all_texts = data.load_texts("fineweb-edu", data_dir=shared_data)
+    assert len(all_texts) == 150
+    assert all_texts[0].startswith("The Independent Jane")
+    assert data.load_texts("fineweb_edu", 5, shared_data) == all_texts[:5]
+
+
+def test_env_var_is_the_default_data_dir(shared_data, monkeypatch):
+    monkeypatch.setenv("CW_DATA_DIR", str(shared_data))
+    assert data.load_texts("gsm8k", 1) == data.load_texts("gsm8k", 1, shared_data)
+
+
+def test_mmlu_items_interleave_subjects(shared_data):
+    items = data.load_task("mmlu", 4, shared_data)
+    assert [i.options for i in items] == [[" A", " B", " C", " D"]] * 4
+    assert "abstract algebra" in items[0].prompt and "anatomy" in items[1].prompt
+    assert items[0].prompt.endswith("Answer:")
+    # the first abstract-algebra row: answer column 1 ("4")
+    assert items[0].answer == 1 and "\nB. 4\n" in items[0].prompt
+
+
+def test_winogrande_options_fill_the_blank(shared_data):
+    item = data.load_task("winogrande", 1, shared_data)[0]
+    assert item.prompt == "Sarah was a much better surgeon than Maria so"
+    assert item.options == [
+        " Sarah always got the easier cases.",
+        " Maria always got the easier cases.",
+    ]
+    assert item.answer == 1
+
+
+def test_boolq_yes_no(shared_data):
+    items = data.load_task("boolq", 20, shared_data)
+    assert all(i.options == [" no", " yes"] and i.prompt.endswith("?\nAnswer:") for i in items)
+    rows = [json.loads(x) for x in (shared_data / "boolq" / "val.jsonl").open().readlines()[:20]]
+    assert [i.answer for i in items] == [int(r["label"] == "true") for r in rows]
+
+
+def test_read_texts_jsonl_and_txt(tmp_path):
+    j = tmp_path / "a.jsonl"
+    j.write_text('{"text": "one"}\n\n{"text": "two", "body": "b"}\n')
+    assert data.read_texts(j) == ["one", "two"]
+    with pytest.raises(DataError, match="--field"):
+        data.read_texts(j, field="body")
+    t = tmp_path / "a.txt"
+    t.write_text("first para\nline 2\n\n\nsecond\n")
+    assert data.read_texts(t) == ["first para\nline 2", "second"]
+    single = tmp_path / "b.txt"
+    single.write_text("just one text\nover two lines\n")
+    assert data.read_texts(single) == ["just one text\nover two lines"]
+    with pytest.raises(DataError, match="does not exist"):
+        data.read_texts(tmp_path / "none.jsonl")
+    bad = tmp_path / "c.csv"
+    bad.write_text("x")
+    with pytest.raises(DataError, match=r"\.jsonl or \.txt"):
+        data.read_texts(bad)
+
+
+def test_offline_without_data_says_where_to_put_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("CW_DATA_DIR", raising=False)
+    with pytest.raises(DataError) as err:
+        data.load_texts("gsm8k", 2, tmp_path)
+    msg = str(err.value)
+    assert "gsm8k/test.jsonl" in msg and "CW_DATA_DIR" in msg and "--data-dir" in msg
+    with pytest.raises(DataError, match=r"boolq/val\.jsonl"):
+        data.load_task("boolq")
+    with pytest.raises(DataError, match="does not exist"):
+        data.load_texts("gsm8k", data_dir=tmp_path / "missing")
+
+
+def test_unknown_names_and_bad_n(shared_data):
+    with pytest.raises(ValueError, match="gsm8k, fineweb-edu"):
+        data.load_texts("wikitext", data_dir=shared_data)
+    with pytest.raises(ValueError, match="mmlu, winogrande, boolq"):
+        data.load_task("hellaswag", data_dir=shared_data)
+    with pytest.raises(ValueError, match="positive"):
+        data.load_texts("gsm8k", 0, shared_data)
+
+
+def test_choice_item_is_plain_data():
+    item = ChoiceItem("p", [" a", " b"], 1)
+    assert item.options[item.answer] == " b"

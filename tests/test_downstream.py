@@ -1,0 +1,107 @@
+"""Downstream scoring under sufficiency removal over the prompt (paper Figure 4)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import tiny_model
+
+from contribution_weights.capture import capturing
+from contribution_weights.data import ChoiceItem
+from contribution_weights.experiments.downstream import (
+    SUMMARY_COLUMNS,
+    downstream,
+    encode_item,
+    option_scores,
+    pick,
+)
+from contribution_weights.interventions import CLEAN, Removal, SequentialRemoval, tracking_sinks
+
+ITEMS = [
+    ChoiceItem("the cat sat on the", [" mat", " dog ran", " x"], 0),
+    ChoiceItem("one two three", [" four", " five six"], 1),
+    ChoiceItem("abc abc ab", ["c", " zz"], 0),
+]
+
+
+def _brute_option_logprob(lm, prompt, option):
+    ids = torch.tensor([[*prompt, *option]])
+    with torch.no_grad():
+        logp = torch.log_softmax(lm.model(input_ids=ids).logits[0].double(), dim=-1)
+    p = len(prompt)
+    return sum(float(logp[p - 1 + k, tok]) for k, tok in enumerate(option))
+
+
+def test_clean_option_scores_are_summed_option_logprobs():
+    lm = tiny_model("llama")
+    for item in ITEMS:
+        prompt, options = encode_item(lm, item)
+        got = option_scores(lm, prompt, options, [CLEAN])[0]
+        want = torch.tensor([_brute_option_logprob(lm, prompt, o) for o in options])
+        torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-5, atol=1e-5)
+        assert int(pick(got[None])[0]) == int(want.argmax())
+
+
+def test_pick_hand_made_scores():
+    scores = torch.tensor([[-3.0, -1.0, -2.0], [-0.5, -0.7, -9.0], [-1.0, -1.0, -4.0]])
+    assert pick(scores).tolist() == [1, 0, 0]  # ties go to the first option
+
+
+def test_removal_only_touches_prompt_tokens_and_is_the_same_for_every_option():
+    lm = tiny_model("gemma2")
+    prompt, options = encode_item(lm, ITEMS[0])
+    p = len(prompt)
+    width = p + max(len(o) for o in options)
+    ids = torch.full((len(options), width), prompt[0])
+    for r, o in enumerate(options):
+        ids[r, : p + len(o)] = torch.tensor([*prompt, *o])
+    rm = [Removal("ihc", "sufficiency", 0.5)] * len(options)
+    inter = SequentialRemoval(rm, eligible_len=p, keep_history=True)
+    with torch.no_grad(), tracking_sinks(lm.model) as sinks:
+        inter.sinks = sinks
+        with capturing(lm.model, intervention=inter):
+            lm.model(input_ids=ids)
+    for rec in inter.history.values():
+        assert not rec.eligible[:, p:].any() and not rec.removed[:, :, p:].any()
+        assert rec.removed.any()
+        for r in range(1, len(options)):  # queries after the prompt do not change the choice
+            assert torch.equal(rec.removed[r], rec.removed[0])
+            torch.testing.assert_close(rec.scores[r, :, :p], rec.scores[0, :, :p])
+
+
+@pytest.mark.parametrize("batch_size", [None, 2])
+def test_downstream_run_writes_summary_and_rate_zero_keeps_clean_accuracy(tmp_path, batch_size):
+    lm = tiny_model("qwen3")
+    res = downstream(lm, ITEMS, task="toy", measures=["attention", "ihc"], rates=[0.0, 0.5],
+                     out=tmp_path / "d", batch_size=batch_size, progress=False)  # fmt: skip
+    s = res.summary
+    assert list(s.columns) == SUMMARY_COLUMNS and (s.n == len(ITEMS)).all()
+    per = res.per_item
+    clean = per.drop_duplicates("item")
+    assert s.clean_accuracy.iloc[0] == pytest.approx(clean.clean_correct.mean())
+    zero = s[s.rate == 0.0]
+    assert (zero.accuracy == zero.clean_accuracy).all()
+    assert (per[per.rate == 0.0].pick == per[per.rate == 0.0].clean_pick).all()
+    assert (tmp_path / "d" / "summary.csv").exists() and (
+        tmp_path / "d" / "downstream.png"
+    ).exists()
+
+
+def test_items_longer_than_max_tokens_are_skipped():
+    lm = tiny_model("llama")
+    res = downstream(lm, ITEMS, measures=["attention"], rates=[0.5], max_tokens=15,
+                     progress=False)  # fmt: skip
+    assert res.config["skipped"] == 2 and res.summary.n.iloc[0] == 1
+
+
+@pytest.mark.slow
+def test_smollm2_picks_the_obvious_option(smollm2):
+    items = [
+        ChoiceItem("The capital of France is", [" banana", " Paris"], 1),
+        ChoiceItem("Monday, Tuesday, Wednesday,", [" Thursday", " purple"], 0),
+        ChoiceItem("1, 2, 3, 4, 5,", [" 19", " 6"], 1),
+    ]
+    for item in items:
+        prompt, options = encode_item(smollm2, item)
+        scores = option_scores(smollm2, prompt, options, [CLEAN])
+        assert int(pick(scores)[0]) == item.answer, (item, scores)
