@@ -69,11 +69,10 @@ def test_removal_only_touches_prompt_tokens_and_is_the_same_for_every_option():
             torch.testing.assert_close(rec.scores[r, :, :p], rec.scores[0, :, :p])
 
 
-@pytest.mark.parametrize("batch_size", [None, 2])
-def test_downstream_run_writes_summary_and_rate_zero_keeps_clean_accuracy(tmp_path, batch_size):
+def test_downstream_run_writes_summary_and_rate_zero_keeps_clean_accuracy(tmp_path):
     lm = tiny_model("qwen3")
     res = downstream(lm, ITEMS, task="toy", measures=["attention", "ihc"], rates=[0.0, 0.5],
-                     out=tmp_path / "d", batch_size=batch_size, progress=False)  # fmt: skip
+                     out=tmp_path / "d", progress=False)  # fmt: skip
     s = res.summary
     assert list(s.columns) == SUMMARY_COLUMNS and (s.n == len(ITEMS)).all()
     per = res.per_item

@@ -149,8 +149,8 @@ def test_sequential_scores_use_earlier_removals_and_select_top_k(model_type):
 
             with torch.no_grad(), capturing(lm.model, [Probe()], FixedScale(dict(scales))):
                 lm.model(input_ids=ids[None])
-            # the probe saw probs after this layer's own removal: undo by recomputing clean
-            # probs of this layer is not needed, the layer has no scale yet in `scales`
+            # `scales` holds the removals of layers < layer only, so the probe sees this
+            # layer's activations as the sequential pass did before removing anything here
             expected = token_scores(seen["w"])
             torch.testing.assert_close(rec.scores[b].double(), expected, rtol=1e-4, atol=1e-6)
             # top/bottom ⌈p·N⌉ eligible tokens per head, by brute-force sorting
