@@ -171,13 +171,18 @@ class _Encoded:
         for name in names:
             values = trace[name].detach().to("cpu").float().numpy()  # (L, H, T, T)
             signed = self.signed[name] = _is_signed(name, values)
-            mean = np.concatenate([values.mean(0), values.sum(1).mean(0)[None]])
+            mean = np.concatenate(
+                [
+                    values.mean(0, dtype=np.float64),
+                    values.sum(axis=(0, 1), dtype=np.float64)[None] / len(values),
+                ]
+            )
             self.mean_chunks.append(self._chunk(name, "mean", mean, precision, signed, counter))
             counter += 1
             bar.update()
             for layer in layers:
                 block = values[trace.layer_position(layer)]
-                blocks = np.concatenate([block, block.sum(0, keepdims=True)])
+                blocks = np.concatenate([block, block.sum(0, keepdims=True, dtype=np.float64)])
                 chunk = self._chunk(name, str(layer), blocks, precision, signed, counter)
                 self.layer_chunks[layer].append(chunk)
                 counter += 1

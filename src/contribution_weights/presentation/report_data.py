@@ -80,8 +80,11 @@ def row_max_abs(tri: np.ndarray, t: int) -> np.ndarray:
 
 
 def encode_chunk(blocks: np.ndarray, precision: str, signed: bool) -> bytes:
-    """Quantise ``(K, T, T)`` blocks (lower triangle used) into a compressed chunk."""
-    blocks = np.asarray(blocks, dtype=np.float32)
+    """Quantise ``(K, T, T)`` blocks (lower triangle used) into a compressed chunk.
+
+    Rounding happens once, from the given values (float64 sums stay float64 until then).
+    """
+    blocks = np.asarray(blocks, dtype=np.float64)
     if not np.isfinite(blocks).all():
         raise ValueError("the trace holds NaN or infinite values; it cannot be embedded")
     t = blocks.shape[-1]

@@ -1,6 +1,6 @@
 /* contribution-weights interactive report. Vanilla JS, no network.
  *
- * Data: #cw-meta (JSON) describes the trace; each <script type="application/x-cw-chunk">
+ * Data: #cw-meta (JSON) describes the trace; each script element of type x-cw-chunk
  * holds one (measure, layer) chunk, zlib-compressed and base64-encoded, with H + 1 blocks
  * (the heads, then their sum) of the lower triangle of the query x key matrix (see
  * report_data.py for the exact layout and rounding). Chunks are inflated on first use
