@@ -1,0 +1,128 @@
+"""Resumable geometry runs: the accumulators' state persisted after every sequence.
+
+A run folder (:class:`~..runs.RunFolder`) holds ``config.json`` (model, texts
+fingerprint, options, analyses) and ``state.pt``, the whole
+:class:`~.geometry.GeometryAccumulator` state, replaced atomically (write, then rename)
+after each sequence of each phase: phase 1 is the clean observation pass of every
+sequence, phase 2 the sink-value scaling passes (which need the sink layers detected in
+phase 1). An interrupted run resumed with the same options continues where the state
+stops; a finished run resumed just rebuilds the tables. At the end ``tables.json`` and
+the per-layer / per-head CSV files are written; figures and Markdown are the
+presentation layer's job.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from ..loading import LoadedModel
+from ..runs import RunFolder
+from .geometry import GeometryAccumulator, GeometryOptions, encode_texts, resolve_analyses
+from .geometry_result import GeometryResult
+
+STATE_FILE = "state.pt"
+
+
+def texts_fingerprint(texts: Sequence[str]) -> str:
+    digest = hashlib.sha256()
+    for text in texts:
+        digest.update(text.encode())
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
+
+
+def save_state(folder: RunFolder, acc: GeometryAccumulator) -> None:
+    target = folder.file(STATE_FILE)
+    tmp = target.with_name(target.name + ".tmp")
+    torch.save(acc.state_dict(), tmp)
+    with tmp.open("rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, target)
+
+
+def load_state(folder: RunFolder, acc: GeometryAccumulator) -> None:
+    target = folder.file(STATE_FILE)
+    if target.exists():
+        acc.load_state_dict(torch.load(target, weights_only=False))
+
+
+def run_geometry(
+    model: LoadedModel,
+    texts: Sequence[str],
+    out: str | Path,
+    analyses: str | Sequence[str] | None = None,
+    options: GeometryOptions | None = None,
+    resume: bool = False,
+    progress: bool = True,
+    source: str = "",
+) -> GeometryResult:
+    """Run the geometry analyses over ``texts`` into the run folder ``out`` (resumable)."""
+    options = options or GeometryOptions()
+    names = resolve_analyses(analyses)
+    if not texts:
+        raise ValueError("no texts to analyse; pass --n 1 or more, or a non-empty file")
+    config: dict[str, Any] = {
+        "experiment": "geometry",
+        "model": model.name,
+        "source": source,
+        "n_texts": len(texts),
+        "texts_sha256": texts_fingerprint(texts),
+        "analyses": names,
+        **options.to_dict(),
+    }
+    folder = RunFolder(out, config, resume=resume)
+    acc = GeometryAccumulator(model.num_layers, model.num_heads, names, options)
+    load_state(folder, acc)
+    ids = encode_texts(model, texts, options.max_tokens)
+    todo = range(acc.sequences, len(ids))
+    for k in tqdm(
+        todo, desc="geometry", disable=not progress, total=len(ids), initial=acc.sequences
+    ):
+        acc.add_sequence(model, ids[k])
+        save_state(folder, acc)
+    if "sink_scaling" in names:
+        done = len(acc.scaling_nll)
+        for k in tqdm(
+            range(done, len(ids)),
+            desc="sink scaling",
+            disable=not progress,
+            total=len(ids),
+            initial=done,
+        ):
+            acc.add_scaling(model, ids[k])
+            save_state(folder, acc)
+    result = acc.result()
+    write_tables(
+        folder.path, result, meta={"model": model.name, "tokens": [int(x.numel()) for x in ids]}
+    )
+    return result
+
+
+def write_tables(out: Path, result: GeometryResult, meta: dict[str, Any] | None = None) -> None:
+    """``tables.json`` plus CSV files of the per-layer and per-head tables."""
+    tmp = out / "tables.json.tmp"
+    tmp.write_text(json.dumps(result.to_json(), indent=2))
+    os.replace(tmp, out / "tables.json")
+    per_layer = [result.sink_rate]
+    if result.first_token_weight_by_layer is not None:
+        per_layer.append(result.first_token_weight_by_layer.add_prefix("first_token_weight:"))
+    if result.entropy_by_layer is not None:
+        per_layer.append(result.entropy_by_layer.add_prefix("entropy:"))
+    if result.sink_alignment is not None:
+        per_layer.append(result.sink_alignment)
+    import pandas as pd
+
+    pd.concat(per_layer, axis=1).to_csv(out / "per_layer.csv")
+    if result.norm_fit is not None:
+        result.norm_fit.to_csv(out / "norm_fit.csv", index=False)
+    if meta is not None:
+        info = {"sequences": result.sequences, "points": result.points, **meta}
+        (out / "meta.json").write_text(json.dumps(info, indent=2))

@@ -1,0 +1,274 @@
+"""Figures and Markdown tables of a :class:`~..experiments.geometry_result.GeometryResult`.
+
+One function per figure, each returning a matplotlib Figure (Agg backend):
+first-token weight per layer (Table 4), sink/tail alignment (Fig. 5), sink-value scaling
+(Fig. 6c), output norm against sink attention with the fitted curves (§6.2), the
+semantic cone with and without the sink (Fig. 6a/b), joint distributions (Fig. 7).
+:func:`write_figures` saves those a result has; :func:`markdown_tables` renders the tables.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+from ..experiments.geometry_result import GeometryResult, norm_fit_summary
+from .figures import save
+
+COLOURS = {"attention": "tab:red", "vw": "tab:orange", "contribution": "tab:blue"}
+FIGURES = (
+    "first_token_weight",
+    "sink_alignment",
+    "sink_scaling",
+    "norm_fit",
+    "semantic_cone",
+    "joint_distributions",
+)
+
+
+def plot_first_token_weight(by_layer: pd.DataFrame, title: str = "") -> Figure:
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    for m in by_layer.columns:
+        ax.plot(by_layer.index, by_layer[m], marker=".", label=m, color=COLOURS.get(m))
+    ax.set(xlabel="layer", ylabel="first-token weight E[w_0]", title=f"First-token weight {title}")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def plot_sink_alignment(table: pd.DataFrame, title: str = "") -> Figure:
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    ax.plot(table.index, table["sink_tail"], marker=".", label="cos(ṽ_0, ṽ_j), j ≥ 1")
+    ax.plot(table.index, table["tail_tail"], marker=".", label="cos(ṽ_i, ṽ_j), i ≠ j ≥ 1")
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set(xlabel="layer", ylabel="mean cosine", title=f"Sink / tail alignment {title}")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def plot_sink_scaling(table: pd.DataFrame, layers: list[int], title: str = "") -> Figure:
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.errorbar(
+        table["gamma"], table["ppl_mean"], yerr=table["ppl_se"].fillna(0), marker="o", capsize=3
+    )
+    ax.invert_xaxis()
+    span = f"layers {layers[0]}–{layers[-1]} ({len(layers)})" if layers else "no sink layers"
+    ax.set(
+        xlabel="γ (v_0 → γ v_0)", ylabel="perplexity", title=f"Sink-value scaling {title}\n{span}"
+    )
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def example_heads(fit: pd.DataFrame, count: int = 4) -> list[tuple[int, int]]:
+    """Heads to draw: the best-fitting convex ones with α_min < 1, else the best fits."""
+    good = fit[fit["convex_min_below_1"]] if fit["convex_min_below_1"].any() else fit
+    good = good.sort_values("r2", ascending=False)
+    return [(int(r.layer), int(r.head)) for r in good.head(count).itertuples()]
+
+
+def plot_norm_fit(
+    fit: pd.DataFrame, points: dict[tuple[int, int], np.ndarray], title: str = ""
+) -> Figure:
+    heads = [h for h in example_heads(fit) if h in points]
+    fig, axes = plt.subplots(
+        1, max(1, len(heads)), figsize=(3.2 * max(1, len(heads)), 3), squeeze=False
+    )
+    grid = np.linspace(0, 1, 101)
+    for ax, (layer, head) in zip(axes[0], heads, strict=False):
+        row = fit[(fit["layer"] == layer) & (fit["head"] == head)].iloc[0]
+        pts = points[(layer, head)]
+        ax.scatter(pts[:, 0], np.sqrt(np.clip(pts[:, 1], 0, None)), s=4, alpha=0.5)
+        curve = (
+            row.v0_norm2 * grid**2
+            + 2 * grid * (1 - grid) * row.gamma_prime
+            + (1 - grid) ** 2 * row.kappa2
+        )
+        ax.plot(grid, np.sqrt(np.clip(curve, 0, None)), color="k", lw=1.2)
+        if 0 < row.alpha_min < 1:
+            ax.axvline(row.alpha_min, color="tab:red", ls="--", lw=0.8)
+        ax.set(
+            xlabel="α_i0",
+            title=f"L{layer} H{head}: γ'={row.gamma_prime:.3g}, α_min={row.alpha_min:.2f}",
+        )
+        ax.title.set_fontsize(8)
+    axes[0][0].set_ylabel("‖o_i^(h)‖")
+    fig.suptitle(f"Output norm vs sink attention {title}", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def cone_head(snapshot: dict[str, Any]) -> tuple[int, int]:
+    """The (layer, head) of the snapshot with the highest sink rate, avoiding layer 0."""
+    best, where = -1.0, (0, 0)
+    layers = sorted(int(k.split("_")[-1]) for k in snapshot if k.startswith("sink_rate_"))
+    for layer in layers[1:] or layers:
+        rates = snapshot[f"sink_rate_{layer}"]
+        h = int(rates.argmax())
+        if float(rates[h]) > best:
+            best, where = float(rates[h]), (layer, h)
+    return where
+
+
+def plot_semantic_cone(
+    snapshot: dict[str, Any], head: tuple[int, int] | None = None, title: str = ""
+) -> Figure:
+    layer, h = head or cone_head(snapshot)
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.8), sharex=True, sharey=True)
+    with_sink = np.asarray(snapshot[f"with_{layer}"][h])[1:]
+    without = np.asarray(snapshot[f"without_{layer}"][h])[1:]
+    norms = np.linalg.norm(with_sink, axis=1)
+    angle = float(np.arccos(np.clip(float(snapshot[f"cos_cone_{layer}"][h]), -1, 1)))
+    sink = np.asarray(snapshot[f"sink_{layer}"][h])
+    reach = max(np.abs(with_sink).max(), np.abs(without).max(), np.abs(sink).max(), 1e-9) * 1.1
+    for ax, pts, name in (
+        (axes[0], with_sink, "(a) sink present"),
+        (axes[1], without, "(b) sink value norm 0"),
+    ):
+        ax.fill(
+            [0, reach * np.cos(angle), reach * np.cos(angle)],
+            [0, reach * np.sin(angle), -reach * np.sin(angle)],
+            color="tab:green",
+            alpha=0.12,
+        )
+        for sgn in (1, -1):
+            ax.plot([0, reach * np.cos(angle)], [0, sgn * reach * np.sin(angle)], "g--", lw=0.8)
+        sc = ax.scatter(pts[:, 0], pts[:, 1], c=norms, cmap="viridis", s=8)
+        ax.annotate(
+            "",
+            xy=(sink[0], sink[1]),
+            xytext=(0, 0),
+            arrowprops={"color": "tab:orange", "width": 1.5},
+        )
+        ax.set(xlabel="⟨o, μ̂⟩", title=name, xlim=(-reach, reach), ylim=(-reach, reach))
+    axes[0].set_ylabel("⟨o, û⟩")
+    fig.colorbar(sc, ax=axes, label="‖o_i^(h)‖ (sink present)")
+    fig.suptitle(f"Semantic cone, layer {layer} head {h} {title}", fontsize=10)
+    return fig
+
+
+def plot_joint_distributions(
+    joint: pd.DataFrame, title: str = "", max_points: int = 200_000
+) -> Figure:
+    sample = joint.sample(min(len(joint), max_points), random_state=0) if len(joint) else joint
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.4))
+    for ax, col, label in ((axes[0], "vnorm", "‖ṽ_j‖"), (axes[1], "kappa", "κ = cos(o_i, ṽ_j)")):
+        if len(sample):
+            ax.hist2d(
+                sample["alpha"],
+                sample[col],
+                bins=60,
+                cmap="magma",
+                norm=matplotlib.colors.LogNorm(),
+            )
+        ax.set(xlabel="α_ij", ylabel=label)
+    mean_k = float(sample["kappa"].mean()) if len(sample) else float("nan")
+    fig.suptitle(f"Joint distributions {title} (mean κ = {mean_k:.3f})", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def write_figures(
+    result: GeometryResult, out: str | Path, title: str = "", dpi: int = 110
+) -> list[Path]:
+    """One PNG per figure the result has data for, named ``geometry-<figure>.png``."""
+    out = Path(out)
+    figs: dict[str, Figure] = {}
+    if result.first_token_weight_by_layer is not None:
+        figs["first_token_weight"] = plot_first_token_weight(
+            result.first_token_weight_by_layer, title
+        )
+    if result.sink_alignment is not None:
+        figs["sink_alignment"] = plot_sink_alignment(result.sink_alignment, title)
+    if result.sink_scaling is not None:
+        figs["sink_scaling"] = plot_sink_scaling(
+            result.sink_scaling.table, result.sink_scaling.layers, title
+        )
+    if result.norm_fit is not None and result.norm_points and not result.norm_fit.empty:
+        figs["norm_fit"] = plot_norm_fit(result.norm_fit, result.norm_points, title)
+    if result.cone_snapshot:
+        figs["semantic_cone"] = plot_semantic_cone(result.cone_snapshot, title=title)
+    if result.joint is not None:
+        figs["joint_distributions"] = plot_joint_distributions(result.joint, title)
+    return [save(fig, out / f"geometry-{name}.png", dpi=dpi) for name, fig in figs.items()]
+
+
+def _cell(x: Any) -> str:
+    if isinstance(x, (bool, np.bool_)):
+        return str(bool(x))
+    if isinstance(x, (float, np.floating)):
+        return "n/a" if np.isnan(x) else f"{x:.3f}"
+    return str(x)
+
+
+def _fmt(t: pd.DataFrame, index: bool = True) -> str:
+    """A DataFrame as a Markdown table (3 decimals), without optional dependencies."""
+    head = ([str(t.index.name or "")] if index else []) + [str(c) for c in t.columns]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key, row in t.iterrows():
+        cells = ([_cell(key)] if index else []) + [_cell(v) for v in row.tolist()]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def markdown_tables(result: GeometryResult, title: str = "") -> str:
+    """Every table of the result as Markdown."""
+    parts = [f"# Value geometry and sinks: {title}".rstrip(": "), ""]
+    if result.regression_r2 is not None and result.log_regression_r2 is not None:
+        n = ", ".join(f"{g} {c:,}" for g, c in result.points.items())
+        parts += ["## Component regression, held-out R² (Table 1)", f"Sampled points: {n}.", ""]
+        parts += [
+            _fmt(result.regression_r2),
+            "",
+            "## Log-component regression, held-out R² (Table 3)",
+            "",
+        ]
+        parts += [_fmt(result.log_regression_r2), ""]
+    if result.correlations is not None:
+        parts += [
+            "## Correlations of log components, all tokens (Table 2)",
+            "",
+            _fmt(result.correlations),
+            "",
+        ]
+    ftw = result.first_token_weight
+    if ftw is not None:
+        parts += ["## First-token weight, mean over layers (Table 4)", ""]
+        parts += [_fmt(pd.DataFrame([ftw], index=["E[w_0]"])), ""]
+    if result.entropy is not None:
+        parts += ["## Entropy (Table 5)", "", _fmt(result.entropy), ""]
+    if result.sink_alignment is not None:
+        mean = result.sink_alignment.mean()
+        parts += [
+            "## Sink / tail alignment (Figure 5)",
+            f"Mean over layers: cos(ṽ_0, ṽ_j) = {mean['sink_tail']:.3f}, "
+            f"cos(ṽ_i, ṽ_j) = {mean['tail_tail']:.3f}.",
+            "",
+            _fmt(result.sink_alignment.join(result.sink_rate)),
+            "",
+        ]
+    if result.sink_scaling is not None:
+        layers = result.sink_scaling.layers
+        parts += ["## Sink-value scaling (Figure 6c)", f"Sink layers: {layers}.", ""]
+        parts += [_fmt(result.sink_scaling.table, index=False), ""]
+    if result.norm_fit is not None:
+        summ = norm_fit_summary(result.norm_fit)
+        parts += ["## Output norm vs sink attention (§6.2)", "", _fmt(pd.DataFrame([summ])), ""]
+    if result.semantic_cone is not None:
+        parts += ["## Semantic cone (Figure 6a/b)", "", _fmt(result.semantic_cone), ""]
+    return "\n".join(parts)
+
+
+def write_markdown(result: GeometryResult, path: str | Path, title: str = "") -> str:
+    text = markdown_tables(result, title)
+    Path(path).write_text(text + "\n")
+    return text
