@@ -319,3 +319,27 @@ def test_smollm2_ihc_comprehensiveness_grows_with_rate(smollm2, shared_data):
     s = res.summary.sort_values("rate")
     d = s.delta_ppl_mean.to_numpy()
     assert (d[1:] > d[:-1]).all() and d[0] > 0, s
+
+
+def test_rows_are_chunked_by_memory_and_halved_on_out_of_memory(monkeypatch):
+    from contribution_weights.experiments import removal
+
+    lm = tiny_model("llama")
+    assert removal.auto_batch_size(lm, 40, 1) == 1
+    assert removal.auto_batch_size(lm, 40, 1 << 40) > 100
+    ids = _ids()[None].expand(5, -1)
+    rm = [CLEAN, *[Removal("vw", "sufficiency", p) for p in (0.1, 0.3, 0.5, 0.7)]]
+    full = token_logprobs(lm, ids, rm)
+    sizes = []
+    real = removal._forward
+
+    def fake(model, chunk, removals, *a):
+        sizes.append(chunk.shape[0])
+        if chunk.shape[0] > 2:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(model, chunk, removals, *a)
+
+    monkeypatch.setattr(removal, "_forward", fake)
+    halved = token_logprobs(lm, ids, rm, batch_size=5)
+    assert sizes == [5, 2, 2, 1]
+    torch.testing.assert_close(halved, full, rtol=1e-5, atol=1e-6)
