@@ -164,7 +164,11 @@ class FaithfulnessResult:
         """ΔPPL against rate, one line per measure, a panel per mode (matplotlib Figure)."""
         from ..presentation.faithfulness_plots import plot_faithfulness
 
-        return plot_faithfulness(self.summary, path=path, title=self.config.get("title"))
+        c = self.config
+        n = int(self.summary["n"].max()) if not self.summary.empty else 0
+        source = c.get("source") or "texts"
+        title = f"{c.get('model')} · {source} · n={n} · ≤{c.get('max_tokens')} tokens"
+        return plot_faithfulness(self.summary, path=path, title=title)
 
     def save(self, folder: str | Path) -> Path:
         folder = Path(folder)
