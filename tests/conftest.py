@@ -7,7 +7,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from jaxtyping import install_import_hook
 
+# Tensor shapes in the signatures of the pure maths are checked at run time in tests
+# (jaxtyping + beartype); the hook must be installed before the package is imported.
+install_import_hook("contribution_weights.measures", "beartype.beartype")
 sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_models import FAMILIES, tiny_model  # noqa: E402

@@ -15,10 +15,12 @@ from reference import reference_layer, scalar_contribution
 
 from contribution_weights.measures import (
     LayerTensors,
+    entropy,
     get_measure,
     measure_names,
     resolve_measures,
     split_output_weight,
+    token_scores,
 )
 from contribution_weights.measures.layer import distance
 
@@ -209,8 +211,20 @@ def test_layer_tensors_reject_mismatched_shapes():
     lt, raw = make_layer(0, 1, 2, 2, 4, 4, 3, 5, False, "plain")
     with pytest.raises(ValueError, match="do not divide"):
         LayerTensors(raw["probs"], raw["values"][:, :1].repeat(1, 3, 1, 1), lt.w_o, None, lt.valid)
-    with pytest.raises(ValueError, match="shape mismatch"):
+    # jaxtyping (TypeError, under pytest) or the constructor's own check (ValueError)
+    with pytest.raises((ValueError, TypeError), match=r"shape mismatch|Type-check error"):
         LayerTensors(raw["probs"], raw["values"][:, :, :3], lt.w_o, None, lt.valid)
+
+
+def test_shapes_in_signatures_are_checked_under_pytest():
+    """tests/conftest.py installs jaxtyping's import hook (with beartype) on the maths."""
+    lt, raw = make_layer(0, 1, 2, 2, 4, 4, 3, 5, False, "plain")
+    with pytest.raises(TypeError, match="parameter 'w_o'"):  # head dim 3 vs values' 3 → 2
+        LayerTensors(raw["probs"], raw["values"], lt.w_o[..., :2], None, lt.valid)
+    with pytest.raises(TypeError, match="token_scores"):
+        token_scores(torch.ones(2, 3, 4))  # keys × queries must be square
+    with pytest.raises(TypeError, match="entropy"):
+        entropy(torch.ones(3, 4))  # needs (..., H, I, T)
 
 
 def test_no_nan_on_fully_degenerate_layer():

@@ -4,16 +4,19 @@ The leading dimensions are free: a single layer ``(H, T, T)`` or a stack of laye
 ``(L, H, T, T)``; reductions over layers are left to the caller.
 """
 
+# ruff: noqa: F722  (jaxtyping shape strings are not forward references)
+
 from __future__ import annotations
 
 import torch
+from jaxtyping import Float
 from torch import Tensor
 
 from .layer import safe_div
 from .registry import get_measure
 
 
-def token_scores(w: Tensor) -> Tensor:
+def token_scores(w: Float[Tensor, "*lead h t t"]) -> Float[Tensor, "*lead h t"]:
     """``(..., H, T)``: s_j^(h) = mean over queries i ≥ j of w_ij^(h) (paper §5.1)."""
     t = w.shape[-1]
     lower = torch.ones(t, t, dtype=torch.bool, device=w.device).tril()
@@ -22,7 +25,7 @@ def token_scores(w: Tensor) -> Tensor:
     return total / count
 
 
-def normalised(w: Tensor, measure: str) -> Tensor:
+def normalised(w: Float[Tensor, "*lead h i t"], measure: str) -> Float[Tensor, "*lead h i t"]:
     """Scale a measure so that each query's weights sum to 1 over (head, key)."""
     norm = get_measure(measure).normalise
     if norm is None:
@@ -30,12 +33,14 @@ def normalised(w: Tensor, measure: str) -> Tensor:
     return norm(w)
 
 
-def first_token_weight(w_normalised: Tensor) -> Tensor:
+def first_token_weight(w_normalised: Float[Tensor, "*lead h i t"]) -> Float[Tensor, "*lead"]:
     """``(...,)``: E[w_0] = (1/T) Σ_i Σ_h w_i0 for normalised weights ``(..., H, T, T)``."""
     return w_normalised[..., 0].sum(dim=-2).mean(dim=-1)
 
 
-def entropy(w: Tensor, exclude_first: bool = False) -> Tensor:
+def entropy(
+    w: Float[Tensor, "*lead h i t"], exclude_first: bool = False
+) -> Float[Tensor, "*lead h"]:
     """``(..., H)``: per head, mean over queries of −Σ_j c̄_ij log c̄_ij, c̄ = |w|/Σ_k|w|.
 
     With ``exclude_first`` token 0 is dropped as a key (weights renormalised over j ≥ 1)

@@ -16,15 +16,20 @@ The distance measure (an L1 norm) is the one exception; :func:`distance` walks t
 queries in sub-blocks so that memory stays under ``max_elements``.
 
 Shapes: ``B`` batch, ``H`` query heads, ``G`` KV heads, ``I`` queries in the block,
-``T`` keys, ``d_h`` head dim, ``d`` model dim. Where a norm in a denominator is zero the
+``T`` keys, ``d_h`` head dim, ``d`` model dim; the signatures spell them (lower case) as
+jaxtyping annotations, checked at run time under pytest (tests/conftest.py installs
+jaxtyping's import hook with beartype). Where a norm in a denominator is zero the
 quantity is zero (never NaN or inf) and :attr:`LayerTensors.degenerate` flags the query.
 """
+
+# ruff: noqa: F722  (jaxtyping shape strings are not forward references)
 
 from __future__ import annotations
 
 from functools import cached_property
 
 import torch
+from jaxtyping import Bool, Float
 from torch import Tensor
 
 
@@ -34,11 +39,13 @@ def safe_div(num: Tensor, den: Tensor) -> Tensor:
     return torch.where(ok, num / torch.where(ok, den, torch.ones_like(den)), torch.zeros_like(num))
 
 
-def split_output_weight(weight: Tensor, num_heads: int) -> Tensor:
+def split_output_weight(weight: Float[Tensor, "d hd"], num_heads: int) -> Float[Tensor, "h d dh"]:
     """``W_O`` of shape ``(d, H*d_h)`` as per-head blocks ``(H, d, d_h)``."""
     d, hd = weight.shape
     if hd % num_heads:
-        raise ValueError(f"output projection input size {hd} is not a multiple of {num_heads} heads")
+        raise ValueError(
+            f"output projection input size {hd} is not a multiple of {num_heads} heads"
+        )
     return weight.reshape(d, num_heads, hd // num_heads).permute(1, 0, 2)
 
 
@@ -59,14 +66,14 @@ class LayerTensors:
 
     def __init__(
         self,
-        probs: Tensor,
-        values: Tensor,
-        w_o: Tensor,
-        b_o: Tensor | None,
-        valid: Tensor,
-        gram: Tensor | None = None,
+        probs: Float[Tensor, "b h i t"],
+        values: Float[Tensor, "b g t dh"],
+        w_o: Float[Tensor, "h d dh"],
+        b_o: Float[Tensor, " d"] | None,
+        valid: Bool[Tensor, "#b i t"],
+        gram: Float[Tensor, "h dh dh"] | None = None,
     ) -> None:
-        b, h, i, t = probs.shape
+        _, h, _, t = probs.shape
         g = values.shape[1]
         if h % g:
             raise ValueError(f"{h} query heads do not divide into {g} KV heads")
@@ -85,124 +92,127 @@ class LayerTensors:
 
     # ---- intermediates ---------------------------------------------------------------
     @cached_property
-    def head_values(self) -> Tensor:
+    def head_values(self) -> Float[Tensor, "b h t dh"]:
         """``(B, H, T, d_h)``: v_j^(g(h)) for every query head (GQA expanded)."""
         h, g = self.probs.shape[1], self.values.shape[1]
         return self.values.repeat_interleave(h // g, dim=1) if h != g else self.values
 
     @cached_property
-    def gram(self) -> Tensor:
+    def gram(self) -> Float[Tensor, "h dh dh"]:
         """``(H, d_h, d_h)``: W_O^(h)ᵀ W_O^(h)."""
         return self.w_o.transpose(1, 2) @ self.w_o
 
     @cached_property
-    def head_states(self) -> Tensor:
+    def head_states(self) -> Float[Tensor, "b h i dh"]:
         """``(B, H, I, d_h)``: z_i^(h) = Σ_j α_ij v_j (head output before W_O)."""
         return self.probs @ self.head_values
 
     @cached_property
-    def head_outputs(self) -> Tensor:
+    def head_outputs(self) -> Float[Tensor, "b h i d"]:
         """``(B, H, I, d)``: o_i^(h) = W_O^(h) z_i^(h)."""
         return torch.einsum("bhid,hed->bhie", self.head_states, self.w_o)
 
     @cached_property
-    def output(self) -> Tensor:
+    def output(self) -> Float[Tensor, "b i d"]:
         """``(B, I, d)``: o_i = Σ_h o_i^(h) + b_O."""
         out = self.head_outputs.sum(dim=1)
         return out if self.b_o is None else out + self.b_o
 
     @cached_property
-    def output_norm2(self) -> Tensor:
+    def output_norm2(self) -> Float[Tensor, "b i"]:
         """``(B, I)``: ‖o_i‖²."""
         return self.output.square().sum(-1)
 
     @cached_property
-    def output_norm(self) -> Tensor:
+    def output_norm(self) -> Float[Tensor, "b i"]:
         return self.output_norm2.sqrt()
 
     @cached_property
-    def head_output_norm2(self) -> Tensor:
+    def head_output_norm2(self) -> Float[Tensor, "b h i"]:
         """``(B, H, I)``: ‖o_i^(h)‖² = z Gram zᵀ."""
         zg = self.head_states @ self.gram
         return (zg * self.head_states).sum(-1).clamp_min(0)
 
     @cached_property
-    def value_norm(self) -> Tensor:
+    def value_norm(self) -> Float[Tensor, "b h t"]:
         """``(B, H, T)``: ‖ṽ_j^(h)‖ = sqrt(v_jᵀ Gram_h v_j)."""
         vg = self.head_values @ self.gram
         return (vg * self.head_values).sum(-1).clamp_min(0).sqrt()
 
     @cached_property
-    def output_dot_values(self) -> Tensor:
+    def output_dot_values(self) -> Float[Tensor, "b h i t"]:
         """``(B, H, I, T)``: ⟨o_i, ṽ_j^(h)⟩ = ⟨W_O^(h)ᵀ o_i, v_j⟩."""
         back = torch.einsum("bie,hed->bhid", self.output, self.w_o)
         return back @ self.head_values.transpose(-1, -2)
 
     @cached_property
-    def head_output_dot_values(self) -> Tensor:
+    def head_output_dot_values(self) -> Float[Tensor, "b h i t"]:
         """``(B, H, I, T)``: ⟨o_i^(h), ṽ_j^(h)⟩ = ⟨Gram_h z_i^(h), v_j⟩."""
         return (self.head_states @ self.gram) @ self.head_values.transpose(-1, -2)
 
     @cached_property
-    def degenerate(self) -> Tensor:
+    def degenerate(self) -> Bool[Tensor, "b i"]:
         """``(B, I)`` bool: queries whose layer output is exactly zero."""
         return self.output_norm2 <= 0
 
     @cached_property
-    def bias_share(self) -> Tensor:
+    def bias_share(self) -> Float[Tensor, "b i"]:
         """``(B, I)``: ⟨o_i, b_O⟩ / ‖o_i‖² (0 for bias-free projections)."""
         if self.b_o is None:
             return torch.zeros_like(self.output_norm2)
         return safe_div(self.output @ self.b_o, self.output_norm2)
 
-    def masked(self, x: Tensor) -> Tensor:
+    def masked(self, x: Float[Tensor, "b h i t"]) -> Float[Tensor, "b h i t"]:
         """Zero ``x`` (``(B, H, I, T)``) where the query cannot attend to the key."""
         return torch.where(self.valid[:, None], x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 # ---- the measures of SPEC §2 -----------------------------------------------------------
-def attention(lt: LayerTensors) -> Tensor:
+Weights = Float[Tensor, "b h i t"]  # one value per batch item, head, query and key
+
+
+def attention(lt: LayerTensors) -> Weights:
     return lt.probs
 
 
-def contribution(lt: LayerTensors) -> Tensor:
+def contribution(lt: LayerTensors) -> Weights:
     """ĉ_ij^(h) = ⟨o_i, α_ij ṽ_j^(h)⟩ / ‖o_i‖²."""
     return safe_div(lt.probs * lt.output_dot_values, lt.output_norm2[:, None, :, None])
 
 
-def intra(lt: LayerTensors) -> Tensor:
+def intra(lt: LayerTensors) -> Weights:
     """č_ij^(h) = ⟨o_i^(h), α_ij ṽ_j^(h)⟩ / ‖o_i^(h)‖²."""
     return safe_div(lt.probs * lt.head_output_dot_values, lt.head_output_norm2[..., None])
 
 
-def relative_norm(lt: LayerTensors) -> Tensor:
+def relative_norm(lt: LayerTensors) -> Weights:
     """r_ij^(h) = ‖ṽ_j^(h)‖ / ‖o_i‖."""
     r = safe_div(lt.value_norm[:, :, None, :], lt.output_norm[:, None, :, None])
     return lt.masked(r)
 
 
-def cosine(lt: LayerTensors) -> Tensor:
+def cosine(lt: LayerTensors) -> Weights:
     """κ_ij^(h) = cos(o_i, ṽ_j^(h))."""
     den = lt.output_norm[:, None, :, None] * lt.value_norm[:, :, None, :]
     return lt.masked(safe_div(lt.output_dot_values, den))
 
 
-def vw(lt: LayerTensors) -> Tensor:
+def vw(lt: LayerTensors) -> Weights:
     """Value-weighted attention α_ij ‖ṽ_j^(h)‖ (Kobayashi et al. 2020)."""
     return lt.probs * lt.value_norm[:, :, None, :]
 
 
-def vw_on(lt: LayerTensors) -> Tensor:
+def vw_on(lt: LayerTensors) -> Weights:
     """Output-normalised value-weighted attention α_ij ‖ṽ_j^(h)‖ / ‖o_i‖."""
     return safe_div(vw(lt), lt.output_norm[:, None, :, None])
 
 
-def ihc(lt: LayerTensors) -> Tensor:
+def ihc(lt: LayerTensors) -> Weights:
     """|ĉ|: the importance measure used for faithfulness."""
     return contribution(lt).abs()
 
 
-def distance(lt: LayerTensors, max_elements: int = 1 << 25) -> Tensor:
+def distance(lt: LayerTensors, max_elements: int = 1 << 25) -> Weights:
     """Ferrando et al. (2022): max(0, ‖o_i‖₁ − ‖o_i − α_ij ṽ_j^(h)‖₁), normalised per query.
 
     Needs ``α_ij ṽ_j^(h)`` explicitly; built for sub-blocks of queries holding at most

@@ -9,27 +9,30 @@ keys (SPEC §3); measures that are not weights (the relative norm and the cosine
 normalisation and are left out of weight summaries.
 """
 
+# ruff: noqa: F722  (jaxtyping shape strings are not forward references)
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from jaxtyping import Float
 from torch import Tensor
 
 from . import layer
 from .layer import LayerTensors, safe_div
 
 
-def _per_query_sum(w: Tensor) -> Tensor:
+def _per_query_sum(w: Float[Tensor, "*lead h i t"]) -> Float[Tensor, "*lead h i t"]:
     """Divide ``(..., H, T, T)`` by its sum over heads and keys, per query."""
     return safe_div(w, w.sum(dim=(-3, -1), keepdim=True))
 
 
-def _divide_by_heads(w: Tensor) -> Tensor:
+def _divide_by_heads(w: Float[Tensor, "*lead h i t"]) -> Float[Tensor, "*lead h i t"]:
     return w / w.shape[-3]
 
 
-def _as_is(w: Tensor) -> Tensor:
+def _as_is(w: Float[Tensor, "*lead h i t"]) -> Float[Tensor, "*lead h i t"]:
     return w
 
 
