@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from ..results import Trace
 
 DEFAULT_MEASURES = ("attention", "contribution", "intra", "vw", "vw_on", "distance")
-DEFAULT_MAX_BYTES = 64 * 2**20
+DEFAULT_MAX_BYTES = 100 * 2**20  # SmolLM2 at 512 tokens, all 30 layers: 81 MB
 NOTEBOOK_MAX_BYTES = 8 * 2**20
 FORMAT_VERSION = 1
 _CHUNK_TAG = '<script type="application/x-cw-chunk" id="{id}">{data}</script>\n'

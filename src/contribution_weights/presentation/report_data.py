@@ -2,9 +2,10 @@
 
 A report stores, per measure, one *chunk* per embedded layer plus one chunk ``"mean"``
 (the mean over all traced layers). A chunk holds ``K = H + 1`` query × key blocks: the
-H heads, then their sum over heads. Only the lower triangle (key ≤ query) is kept, row by
-row: block ``b``, query ``i``, key ``j`` sits at ``b·N + i(i+1)/2 + j`` with
-``N = T(T+1)/2``. Chunks are zlib-compressed (the page inflates them with the browser's
+H heads, then their sum over heads. Only the lower triangle (key ≤ query) is kept, key
+by key (a key's column of queries compresses better than rows do): block ``b``, query
+``i``, key ``j ≤ i`` sits at ``b·N + jT − j(j−1)/2 + (i − j)`` with ``N = T(T+1)/2``.
+Chunks are zlib-compressed (the page inflates them with the browser's
 ``DecompressionStream``) and base64-encoded.
 
 Two precisions:
@@ -16,7 +17,8 @@ Two precisions:
 * ``"float16"``: each value rounded to IEEE half precision (relative error ≤ 2⁻¹¹ for
   |w| ≥ 6.1e-5, absolute error ≤ 2⁻²⁵ below; values beyond ±65504 are refused).
 
-Layout of a decompressed chunk: ``uint8``: ``K·T`` float32 scales, then ``K·N`` codes;
+Layout of a decompressed chunk: ``uint8``: ``K·T`` float32 scales (block-major, one per
+query row), then ``K·N`` codes;
 ``float16``: ``K·N`` float16. All little-endian.
 """
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 import base64
 import zlib
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -60,23 +63,23 @@ def check_precision(precision: str) -> str:
     return precision
 
 
+@lru_cache(maxsize=8)
+def key_major_indices(t: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(query, key)`` index arrays of the lower triangle in storage order (key-major)."""
+    kj, qi = np.triu_indices(t)  # key j, then queries i = j .. T-1
+    return qi, kj
+
+
+def key_offsets(t: int) -> np.ndarray:
+    """Start of each key's run of queries within a block (length ``T + 1``)."""
+    j = np.arange(t + 1)
+    return j * t - j * (j - 1) // 2
+
+
 def lower_triangle(blocks: np.ndarray) -> np.ndarray:
-    """``(K, T, T)`` -> ``(K, T(T+1)/2)``: entries with key ≤ query, row by row."""
-    t = blocks.shape[-1]
-    qi, kj = np.tril_indices(t)
+    """``(K, T, T)`` -> ``(K, T(T+1)/2)``: entries with key ≤ query, in storage order."""
+    qi, kj = key_major_indices(blocks.shape[-1])
     return blocks[:, qi, kj]
-
-
-def row_slices(t: int) -> np.ndarray:
-    """Start offset of each query row within a lower-triangle block (length ``T + 1``)."""
-    i = np.arange(t + 1)
-    return i * (i + 1) // 2
-
-
-def row_max_abs(tri: np.ndarray, t: int) -> np.ndarray:
-    """``(K, N)`` lower triangles -> ``(K, T)`` per-row max |value|."""
-    starts = row_slices(t)[:-1]
-    return np.maximum.reduceat(np.abs(tri), starts, axis=1)
 
 
 def encode_chunk(blocks: np.ndarray, precision: str, signed: bool) -> bytes:
@@ -84,30 +87,25 @@ def encode_chunk(blocks: np.ndarray, precision: str, signed: bool) -> bytes:
 
     Rounding happens once, from the given values (float64 sums stay float64 until then).
     """
-    blocks = np.asarray(blocks, dtype=np.float64)
-    if not np.isfinite(blocks).all():
+    square = np.tril(np.asarray(blocks, dtype=np.float64))
+    if not np.isfinite(square).all():
         raise ValueError("the trace holds NaN or infinite values; it cannot be embedded")
-    t = blocks.shape[-1]
-    tri = lower_triangle(blocks)
     if precision == "float16":
-        peak = float(np.abs(tri).max()) if tri.size else 0.0
+        peak = float(np.abs(square).max()) if square.size else 0.0
         if peak > FLOAT16_MAX:
             raise ValueError(
                 f"a value of magnitude {peak:.3g} does not fit float16 (max 65504); "
                 "use precision='uint8' (CLI: --precision uint8)"
             )
-        raw = tri.astype("<f2").tobytes()
+        raw = lower_triangle(square).astype("<f2").tobytes()
     elif precision == "uint8":
         levels = 127 if signed else 255
-        scale = (row_max_abs(tri, t) / levels).astype(np.float32)  # (K, T)
-        rows = np.repeat(np.arange(t), np.arange(1, t + 1))  # row of each triangle entry
-        per_entry = scale[:, rows].astype(np.float64)
-        safe = np.where(per_entry > 0, per_entry, 1.0)
-        codes = np.clip(np.rint(tri / safe), -levels if signed else 0, levels)
-        codes = np.where(per_entry > 0, codes, 0)
-        raw = (
-            scale.astype("<f4").tobytes() + codes.astype(np.int8 if signed else np.uint8).tobytes()
-        )
+        scale = (np.abs(square).max(-1) / levels).astype(np.float32)  # (K, T): per query row
+        step = scale.astype(np.float64)[..., None]
+        codes = np.divide(square, step, out=np.zeros_like(square), where=step > 0)
+        np.clip(np.rint(codes, out=codes), -levels if signed else 0, levels, out=codes)
+        small = lower_triangle(codes).astype(np.int8 if signed else np.uint8)
+        raw = scale.astype("<f4").tobytes() + small.tobytes()
     else:
         check_precision(precision)
         raise AssertionError  # unreachable
@@ -118,17 +116,16 @@ def decode_chunk(data: bytes, precision: str, signed: bool, k: int, t: int) -> n
     """Inverse of :func:`encode_chunk`: ``(K, T, T)`` float64, zeros above the diagonal."""
     raw = zlib.decompress(data)
     n = t * (t + 1) // 2
+    qi, kj = key_major_indices(t)
     if precision == "float16":
         tri = np.frombuffer(raw, dtype="<f2", count=k * n).astype(np.float64).reshape(k, n)
     elif precision == "uint8":
         scale = np.frombuffer(raw, dtype="<f4", count=k * t).astype(np.float64).reshape(k, t)
         codes = np.frombuffer(raw, dtype=np.int8 if signed else np.uint8, offset=4 * k * t)
-        rows = np.repeat(np.arange(t), np.arange(1, t + 1))
-        tri = codes.reshape(k, n).astype(np.float64) * scale[:, rows]
+        tri = codes.reshape(k, n).astype(np.float64) * scale[:, qi]
     else:
         raise ValueError(f"unknown precision {precision!r}")
     out = np.zeros((k, t, t))
-    qi, kj = np.tril_indices(t)
     out[:, qi, kj] = tri
     return out
 

@@ -2,8 +2,8 @@
  *
  * Data: #cw-meta (JSON) describes the trace; each script element of type x-cw-chunk
  * holds one (measure, layer) chunk, zlib-compressed and base64-encoded, with H + 1 blocks
- * (the heads, then their sum) of the lower triangle of the query x key matrix (see
- * report_data.py for the exact layout and rounding). Chunks are inflated on first use
+ * (the heads, then their sum) of the lower triangle of the query x key matrix, stored
+ * key by key (see report_data.py for the exact layout and rounding). Chunks are inflated on first use
  * and kept in a small LRU cache.
  */
 (function () {
@@ -15,6 +15,9 @@
   const K = H + 1;
   const N = (T * (T + 1)) / 2;
   const SUM = H; // block index of the sum over heads
+  // storage is key-major: key j's queries i = j..T-1 start at COL[j] within a block
+  const COL = new Float64Array(T);
+  for (let j = 0; j < T; j++) COL[j] = j * T - (j * (j - 1)) / 2;
   const MEAN = "mean";
   const CACHE_MAX = 40;
   const $ = (id) => document.getElementById(id);
@@ -69,11 +72,11 @@
     if (META.precision === "float16") {
       F16 = F16 || float16Table();
       const h = new Uint16Array(buf, 0, K * N);
-      return { get: (b, i, j) => F16[h[b * N + (i * (i + 1)) / 2 + j]] };
+      return { get: (b, i, j) => F16[h[b * N + COL[j] + i - j]] };
     }
     const scales = new Float32Array(buf, 0, K * T);
     const codes = signed ? new Int8Array(buf, 4 * K * T, K * N) : new Uint8Array(buf, 4 * K * T, K * N);
-    return { get: (b, i, j) => codes[b * N + (i * (i + 1)) / 2 + j] * scales[b * T + i] };
+    return { get: (b, i, j) => codes[b * N + COL[j] + i - j] * scales[b * T + i] };
   }
 
   const cache = new Map(); // "measure/layer" -> Promise<chunk>
@@ -194,10 +197,12 @@
       if (!el) return;
       const i = Number(el.dataset.i);
       pin(state.pinned === i ? null : i);
+      showTokenTip(el, i);
     });
   }
 
   function pin(i) {
+    hideTip();
     state.pinned = i;
     tokenEls.forEach((el) => el.classList.remove("pinned"));
     if (i !== null) tokenEls[i].classList.add("pinned");
@@ -310,6 +315,8 @@
     const canvas = fig.querySelector("canvas");
     canvas.width = T;
     canvas.height = T;
+    // nearest-neighbour when enlarging a short text; smoothing when shrinking a long one
+    canvas.style.imageRendering = T < 320 ? "pixelated" : "auto";
     return { fig, canvas, select: fig.querySelector("select"), row: fig.querySelector(".hm-row"), legend: fig.querySelector(".legend"), chunk: null };
   });
 
@@ -490,6 +497,7 @@
   let generation = 0;
   async function render() {
     const gen = ++generation;
+    hideTip();
     busy(1);
     try {
       const [tc, h0, h1] = await Promise.all([
