@@ -30,6 +30,7 @@
     pinned: null,
     ignoreFirst: false,
     contrast: "linear",
+    heatRows: "block", // heatmap colour scale: "block" (one for all cells) or "row" (each query row)
     hm: [
       META.measure_order.includes("attention") ? "attention" : META.measure_order[0],
       META.measure_order.includes("contribution") ? "contribution" : META.measure_order[META.measure_order.length - 1],
@@ -326,23 +327,32 @@
     const img = ctx.createImageData(T, T);
     const px = img.data;
     const b = state.head;
+    const first = state.ignoreFirst ? 1 : 0;
+    const rowScales = new Float64Array(T);
     let scale = 0;
     for (let i = 0; i < T; i++) {
-      for (let j = state.ignoreFirst && i > 0 ? 1 : 0; j <= i; j++) scale = Math.max(scale, Math.abs(ch.get(b, i, j)));
+      let m = 0;
+      for (let j = first; j <= i; j++) m = Math.max(m, Math.abs(ch.get(b, i, j)));
+      rowScales[i] = m;
+      scale = Math.max(scale, m);
     }
+    const perRow = state.heatRows === "row";
     for (let i = 0; i < T; i++) {
+      const s = perRow ? rowScales[i] : scale;
       for (let j = 0; j < T; j++) {
         const o = 4 * (i * T + j);
         if (j > i) {
           px[o] = 236; px[o + 1] = 238; px[o + 2] = 242; px[o + 3] = 255;
           continue;
         }
-        const c = colour(scale > 0 ? ch.get(b, i, j) / scale : 0);
+        const c = colour(s > 0 ? ch.get(b, i, j) / s : 0);
         px[o] = c[0]; px[o + 1] = c[1]; px[o + 2] = c[2]; px[o + 3] = 255;
       }
     }
     ctx.putImageData(img, 0, 0);
-    hm.legend.innerHTML = legendHTML(scale, META.measures[measure].signed);
+    hm.legend.innerHTML = perRow
+      ? legendHTML(1, META.measures[measure].signed).replace(/>1\.00</, ">row max<").replace(/>-1\.00</, ">−row max<")
+      : legendHTML(scale, META.measures[measure].signed);
   }
 
   function renderRowMarkers() {
@@ -426,12 +436,12 @@
         svg += '<circle class="pt" data-layer="' + xs[k] + '" cx="' + x(k) + '" cy="' + y(v) + '" r="3" fill="' + col +
           '"><title>' + esc(n) + " · layer " + xs[k] + ": " + v.toFixed(4) + "</title></circle>";
       });
-      const lx = L + 8 + (s % 4) * 128, ly = Hh + 8 + Math.floor(s / 4) * 14;
+      const lx = L + 8 + (s % 4) * 128, ly = Hh + 16 + Math.floor(s / 4) * 14;
       svg += '<g class="legend-item"><rect x="' + lx + '" y="' + (ly - 8) + '" width="12" height="4" fill="' + col +
         '"/><text x="' + (lx + 16) + '" y="' + (ly - 3) + '">' + esc(n) + "</text></g>";
     });
     const rows = Math.ceil(names.length / 4);
-    svg = svg.replace('viewBox="0 0 ' + W + " " + (Hh + 22) + '"', 'viewBox="0 0 ' + W + " " + (Hh + 8 + rows * 14) + '"');
+    svg = svg.replace('viewBox="0 0 ' + W + " " + (Hh + 22) + '"', 'viewBox="0 0 ' + W + " " + (Hh + 14 + rows * 14) + '"');
     box.innerHTML = svg + "</svg>";
     box.querySelectorAll(".pt").forEach((pt) =>
       pt.addEventListener("click", () => {
@@ -558,6 +568,7 @@
     $("cw-head").addEventListener("change", (e) => { state.head = Number(e.target.value); render(); });
     $("cw-ignore-first").addEventListener("change", (e) => { state.ignoreFirst = e.target.checked; render(); });
     $("cw-contrast").addEventListener("change", (e) => { state.contrast = e.target.value; render(); });
+    $("cw-heat-rows").addEventListener("change", (e) => { state.heatRows = e.target.value; render(); });
     $("cw-search").addEventListener("input", (e) => search(e.target.value));
     $("cw-search").addEventListener("keydown", (e) => {
       if (e.key === "Enter") { e.preventDefault(); nextMatch(); }
