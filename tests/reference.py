@@ -61,7 +61,8 @@ def reference_layer(
         valid: ``(I, T)`` bool, where query i may attend to key j (r and κ are 0 elsewhere).
 
     Returns measures ``(H, I, T)`` under their registry names, plus ``output`` ``(I, d)``,
-    ``head_outputs`` ``(H, I, d)``, ``bias_share`` and ``degenerate`` ``(I,)``.
+    ``head_outputs`` ``(H, I, d)``, and ``(I,)``: ``bias_share``, ``degenerate``,
+    ``output_l1`` (‖o_i‖₁) and ``distance_total`` (the sum of D before it is normalised).
     """
     a = probs.to(F64)
     vt = projected_values(values, weight)  # (H, T, d)
@@ -85,8 +86,8 @@ def reference_layer(
     vw_on = _div(vw, o_n[None, :, None])
     l1 = o.abs().sum(-1)  # (I,)
     rest = (o[None, :, None, :] - weighted).abs().sum(-1)  # (H, I, T)
-    dist = torch.where(keep, (l1[None, :, None] - rest).clamp_min(0), zero)
-    dist = _div(dist, dist.sum(dim=(0, 2), keepdim=True))
+    raw = torch.where(keep, (l1[None, :, None] - rest).clamp_min(0), zero)
+    dist = _div(raw, raw.sum(dim=(0, 2), keepdim=True))
     return {
         "attention": a,
         "contribution": contribution,
@@ -99,6 +100,8 @@ def reference_layer(
         "ihc": contribution.abs(),
         "output": o,
         "head_outputs": head_out,
+        "distance_total": raw.sum(dim=(0, 2)),  # (I,): Σ_h Σ_j of D before normalising
+        "output_l1": l1,
         "bias_share": _div(o @ b, o_n2),
         "degenerate": o_n2 == 0,
     }

@@ -52,6 +52,11 @@ def check_exact(loaded: cw.LoadedModel, text: str, layers: list[int]) -> None:
         for name in ALL:
             _rel_check(tr[name][pos], ref[name], 1e-5, f"{name} layer {layer}")
         torch.testing.assert_close(tr.bias_share[pos], ref["bias_share"], rtol=0, atol=1e-8)
+    # float32 (the default): within 1e-4 of each measure's scale (measured: ≤ 1e-5 on SmolLM2)
+    tr32 = cw.trace(loaded, ids, measures=ALL, layers=layers)
+    for name in ALL:
+        scale = tr[name].abs().amax(dim=(1, 2, 3), keepdim=True)
+        assert ((tr32[name].double() - tr[name]).abs() <= 1e-4 * scale).all(), name
     a, c = tr["attention"], tr["contribution"]
     torch.testing.assert_close(a.sum(-1), torch.ones_like(a.sum(-1)), rtol=0, atol=1e-5)
     torch.testing.assert_close(c, a * tr["relative_norm"] * tr["cosine"], rtol=1e-9, atol=1e-12)
