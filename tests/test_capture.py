@@ -321,3 +321,30 @@ def test_intervention_removes_a_projected_value():
     with torch.no_grad(), capturing(model, intervention=ScaleColumns(0, 1, 2, 1.0)):
         same = model(input_ids=IDS[None], use_cache=False).logits
     assert torch.equal(same, clean.logits)
+
+
+class PerItemRemoval:
+    """Intervention: batch item b removes key ``keys[b]`` from every head of every layer."""
+
+    def __init__(self, keys: list[int]) -> None:
+        self.keys = keys
+
+    def column_scale(self, call: LayerCall) -> torch.Tensor:
+        scale = torch.ones(call.batch, call.num_heads, call.k_len)
+        for b, key in enumerate(self.keys):
+            scale[b, :, key] = 0
+        return scale
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gpt_neox"])
+def test_batched_interventions_equal_one_at_a_time(family):
+    """Configurations of one sequence as a batch (how faithfulness runs) == one by one."""
+    model = tiny_model(family).model
+    keys = [0, 3, 7]
+    with torch.no_grad(), capturing(model, intervention=PerItemRemoval(keys)):
+        batched = model(input_ids=IDS[None].repeat(3, 1), use_cache=False).logits
+    for b, key in enumerate(keys):
+        with torch.no_grad(), capturing(model, intervention=PerItemRemoval([key])):
+            single = model(input_ids=IDS[None], use_cache=False).logits
+        torch.testing.assert_close(batched[b], single[0], rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(batched[0], batched[1])
