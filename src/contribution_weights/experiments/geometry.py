@@ -200,6 +200,9 @@ class GeometryAccumulator:
     def add_scaling(self, model: LoadedModel, ids: Tensor) -> None:
         """The sink-value scaling passes of one sequence (after sink layers are fixed)."""
         layers = self.resolve_sink_layers()
+        if ids.numel() < 2:  # no next token to predict: recorded as missing
+            self.scaling_nll.append([float("nan")] * len(self.options.gammas))
+            return
         self.scaling_nll.append(sink_scaling_nll(model, ids, self.options.gammas, layers))
 
     def result(self) -> GeometryResult:
@@ -262,6 +265,7 @@ def component_regression(
 ) -> pd.DataFrame:
     """Tables 1 and 3: rows (scale, features), columns all / first / tail held-out R²."""
     res = _one(model, texts, "regression", options)
+    assert res.regression_r2 is not None and res.log_regression_r2 is not None
     return pd.concat(
         [res.regression_r2.assign(scale="linear"), res.log_regression_r2.assign(scale="log")]
     )

@@ -192,7 +192,7 @@ def build_result(acc: GeometryAccumulator) -> GeometryResult:
     align = s.get("sink_alignment")
     if isinstance(align, SinkAlignment):
         res.sink_alignment = pd.DataFrame(align.by_layer(), layers, list(align.columns))
-    if "sink_scaling" in acc.analyses and acc.scaling_nll:
+    if "sink_scaling" in acc.analyses and acc.scaling_nll:  # NaN rows: too short
         res.sink_scaling = _scaling(
             acc.sink_layers or [], list(o.gammas), np.array(acc.scaling_nll)
         )
@@ -231,8 +231,14 @@ def build_result(acc: GeometryAccumulator) -> GeometryResult:
 
 
 def _scaling(layers: list[int], gammas: list[float], nll: np.ndarray) -> SinkScalingResult:
-    """``nll (n_sequences, n_gammas)`` → mean ± standard error of PPL and NLL per γ."""
+    """``nll (n_sequences, n_gammas)`` → mean ± standard error of PPL and NLL per γ.
+
+    Sequences too short to score (NaN rows) are left out.
+    """
+    nll = nll[~np.isnan(nll).any(1)].reshape(-1, len(gammas))
     n = nll.shape[0]
+    if n == 0:
+        nll = np.full((1, len(gammas)), np.nan)
     ppl = np.exp(nll)
 
     def se(x: np.ndarray) -> np.ndarray:

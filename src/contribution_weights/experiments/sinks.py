@@ -144,8 +144,10 @@ def cone_geometry(projected: Tensor, coverage: float = 0.9) -> ConeGeometry:
     scale_ok = b > 1e-6 * sink.norm(dim=-1).clamp_min(1e-30)
     u = torch.where(scale_ok[:, None], resid, fallback)
     u = u / u.norm(dim=-1, keepdim=True).clamp_min(1e-30)
-    cos = (tail @ mu[:, :, None]).squeeze(-1) / tail.norm(dim=-1).clamp_min(1e-30)
-    cos_cone = torch.quantile(cos.double(), 1 - coverage, dim=-1).to(cos.dtype)
+    tail_norm = tail.norm(dim=-1)
+    cos = (tail @ mu[:, :, None]).squeeze(-1) / tail_norm.clamp_min(1e-30)
+    cos = torch.where(tail_norm > 0, cos, torch.full_like(cos, float("nan")))  # no direction
+    cos_cone = torch.nanquantile(cos.double(), 1 - coverage, dim=-1).to(cos.dtype)
     return ConeGeometry(mu, u, torch.stack([a, b], -1), cos_cone)
 
 
@@ -170,6 +172,7 @@ class SemanticCone(Stat):
         self.counts = np.zeros((num_layers, len(self.COUNTS)))
         self.snapshot: dict[str, Tensor] = {}  # projections of the first sequence
         self._buf: dict[int, Tensor] = {}
+        self._t = 0
 
     def begin(self, num_tokens: int) -> None:
         self._buf = {}

@@ -169,8 +169,9 @@ class Entropy(LayerMeans):
         later = view.query_index >= 1
         n_all = view.alpha.shape[0] * view.alpha.shape[1]
         n_later = view.alpha.shape[0] * int(later.sum())
+        valid = view.lt.valid[0].expand_as(view.alpha)
         for k, w in enumerate(weights):
-            w = torch.where(view.points, w, torch.zeros((), dtype=w.dtype))
+            w = torch.where(valid, w, torch.zeros((), dtype=w.dtype))
             self._seq[view.layer, k] += float(head_entropy(w).sum())
             self._seq_n[view.layer, k] += n_all
             if n_later:
@@ -280,18 +281,15 @@ class LogCorrelations(Stat):
 
     def observe(self, view: BlockView) -> None:
         ok = view.points & (view.alpha > 0) & (view.r > 0) & (view.kappa != 0)
-        logs = torch.stack(
-            [
-                view.alpha.log(),
-                view.r.clamp_min(1e-30).log(),
-                view.kappa.abs().clamp_min(1e-30).log(),
-            ],
-            dim=-1,
-        ).double()
-        first = torch.zeros_like(ok)
-        first[:, :, 0] = True
-        for g, sel in (("all", ok), ("first", ok & first), ("tail", ok & ~first)):
-            self.moments[g].add(logs[sel])
+        idx = ok.reshape(-1).nonzero().squeeze(1)
+        if idx.numel() == 0:
+            return
+        comps = (view.alpha, view.r, view.kappa.abs())
+        logs = torch.stack([c.reshape(-1)[idx].double().log() for c in comps], dim=-1)
+        first = (idx % view.alpha.shape[-1]) == 0
+        self.moments["all"].add(logs)
+        self.moments["first"].add(logs[first])
+        self.moments["tail"].add(logs[~first])
 
     def state_dict(self) -> dict[str, Any]:
         return {"sequences": self.sequences, **{g: m.state_dict() for g, m in self.moments.items()}}

@@ -31,10 +31,12 @@ class Reservoir:
         self.columns = list(columns)
         self.cap = int(cap)
         self.seen = 0
-        self.keys = torch.empty(0)
+        self.keys = torch.empty(0, dtype=torch.float64)
         self.rows = torch.empty(0, len(self.columns))
         self._gen = torch.Generator().manual_seed(seed)
         self._bound = 2.0  # keys at or above this can no longer enter the sample
+        self._pending: list[tuple[Tensor, Tensor]] = []  # offers not merged yet
+        self._pending_n = 0
 
     def __len__(self) -> int:
         self._prune()
@@ -61,7 +63,7 @@ class Reservoir:
             n = flat.numel()
         if n == 0:
             return
-        keys = torch.rand(n, generator=self._gen)
+        keys = torch.rand(n, generator=self._gen, dtype=torch.float64)  # ties ~never
         self.seen += n
         keep = (keys < self._threshold).nonzero().squeeze(1)
         if keep.numel() == 0:
@@ -70,9 +72,9 @@ class Reservoir:
         new = torch.stack(
             [c.reshape(-1)[idx.to(c.device)].detach().float().cpu() for c in columns], 1
         )
-        self.keys = torch.cat([self.keys, keys[keep]])
-        self.rows = torch.cat([self.rows, new])
-        if self.keys.numel() > 2 * self.cap:
+        self._pending.append((keys[keep], new))
+        self._pending_n += int(keep.numel())
+        if self.keys.numel() + self._pending_n > 2 * self.cap:
             self._prune()
 
     @property
@@ -80,6 +82,11 @@ class Reservoir:
         return self._bound if self.keys.numel() >= self.cap else 2.0
 
     def _prune(self) -> None:
+        """Merge the pending offers and keep the ``cap`` smallest keys."""
+        if self._pending:
+            self.keys = torch.cat([self.keys, *(k for k, _ in self._pending)])
+            self.rows = torch.cat([self.rows, *(r for _, r in self._pending)])
+            self._pending, self._pending_n = [], 0
         if self.keys.numel() > self.cap:
             best = torch.topk(self.keys, self.cap, largest=False, sorted=False).indices
             self.keys, self.rows = self.keys[best], self.rows[best]
@@ -90,7 +97,10 @@ class Reservoir:
         return self.rows[:, self.columns.index(name)]
 
     def to_numpy(self) -> dict[str, np.ndarray]:
+        """The sampled columns in key order (random, and the same however rows arrived)."""
         self._prune()
+        order = torch.argsort(self.keys)
+        self.keys, self.rows = self.keys[order], self.rows[order]
         return {name: self.rows[:, k].numpy() for k, name in enumerate(self.columns)}
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,0 +1,109 @@
+"""``cw geometry`` runs: resumable run folders, the output files, and SmolLM2 end to end."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from tiny_models import tiny_model
+
+from contribution_weights.cli import main
+from contribution_weights.experiments import geometry_run
+from contribution_weights.experiments.geometry import GeometryOptions
+from contribution_weights.experiments.geometry_result import JSON_KEYS
+from contribution_weights.presentation.geometry_plots import FIGURES, write_figures, write_markdown
+from contribution_weights.runs import RunFolderError
+
+TEXTS = ["The cat sat on the mat.", "Water boils at 100 degrees.", "One, two, three, four."]
+OPTS = GeometryOptions(max_tokens=None, cap=500, gammas=(1.0, 0.0), sink_layers=[1])
+
+
+def test_interrupted_run_resumes_to_the_same_tables(tmp_path, monkeypatch):
+    lm = tiny_model("llama")
+    full = geometry_run.run_geometry(lm, TEXTS, tmp_path / "full", options=OPTS, progress=False)
+    saves = {"n": 0}
+    real_save = geometry_run.save_state
+
+    def crash_after_two(folder, acc):
+        real_save(folder, acc)
+        saves["n"] += 1
+        if saves["n"] == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(geometry_run, "save_state", crash_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        geometry_run.run_geometry(lm, TEXTS, tmp_path / "cut", options=OPTS, progress=False)
+    monkeypatch.setattr(geometry_run, "save_state", real_save)
+    with pytest.raises(RunFolderError, match="--resume"):
+        geometry_run.run_geometry(lm, TEXTS, tmp_path / "cut", options=OPTS, progress=False)
+    other = GeometryOptions(max_tokens=None, cap=501, gammas=(1.0, 0.0), sink_layers=[1])
+    with pytest.raises(RunFolderError, match="cap"):
+        geometry_run.run_geometry(
+            lm, TEXTS, tmp_path / "cut", options=other, resume=True, progress=False
+        )
+    resumed = geometry_run.run_geometry(
+        lm, TEXTS, tmp_path / "cut", options=OPTS, resume=True, progress=False
+    )
+    assert resumed.sequences == 3
+    assert resumed.to_json() == full.to_json()
+    tables = json.loads((tmp_path / "cut" / "tables.json").read_text())
+    assert tuple(tables) == JSON_KEYS
+    assert set(tables["first_token_weight"]) == {"attention", "vw", "contribution"}
+    assert set(tables["entropy"]) == {"all", "excluding_first"}
+
+
+def test_figures_and_markdown(tmp_path):
+    lm = tiny_model("qwen2")
+    res = geometry_run.run_geometry(lm, TEXTS, tmp_path, options=OPTS, progress=False)
+    paths = write_figures(res, tmp_path, title="tiny")
+    assert sorted(p.name for p in paths) == sorted(f"geometry-{f}.png" for f in FIGURES)
+    assert all(p.stat().st_size > 1000 for p in paths)
+    md = write_markdown(res, tmp_path / "tables.md", "tiny")
+    for heading in (
+        "Table 1",
+        "Table 2",
+        "Table 3",
+        "Table 4",
+        "Table 5",
+        "Figure 5",
+        "Figure 6c",
+        "§6.2",
+        "Figure 6a/b",
+    ):
+        assert heading in md
+    assert (tmp_path / "per_layer.csv").exists() and (tmp_path / "norm_fit.csv").exists()
+
+
+def test_cli_rejects_bad_options_before_loading(tmp_path, capsys):
+    text = tmp_path / "t.txt"
+    text.write_text("hello")
+    assert (
+        main(["geometry", "--file", str(text), "--out", str(tmp_path / "o"), "--only", "bogus"])
+        == 2
+    )
+    assert "unknown analysis 'bogus'" in capsys.readouterr().err
+    assert (
+        main(["geometry", "--file", str(text), "--out", str(tmp_path / "o"), "--gammas", "2"]) == 2
+    )
+    assert "[0, 1]" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_smollm2_end_to_end(smollm2, tmp_path):
+    texts = [
+        "The quick brown fox jumps over the lazy dog while the farmer watches.",
+        "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen.",
+    ]
+    opts = GeometryOptions(max_tokens=24, cap=20_000, gammas=(1.0, 0.0))
+    res = geometry_run.run_geometry(smollm2, texts, tmp_path, options=opts, progress=False)
+    tables = json.loads((tmp_path / "tables.json").read_text())
+    assert tuple(tables) == JSON_KEYS and all(tables[k] is not None for k in JSON_KEYS)
+    ftw = tables["first_token_weight"]
+    assert 0 < ftw["attention"] <= 1 and 0 < ftw["vw"] <= 1
+    # SmolLM2 has attention sinks: detected layers, and attention over-weights token 0
+    assert tables["sink_scaling"]["layers"], "expected some sink layers"
+    assert ftw["attention"] > ftw["contribution"]
+    r2 = res.log_regression_r2
+    assert np.isfinite(r2.to_numpy()).all()
+    assert len(write_figures(res, tmp_path)) == len(FIGURES)
