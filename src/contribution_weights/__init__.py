@@ -15,8 +15,11 @@ internals out of a model, and interventions) ← ``tracing`` / experiments ← `
 
 from . import data
 from .capture import CaptureError, CaptureSession, LayerCall, capturing
+from .experiments import geometry
 from .experiments.downstream import DownstreamResult, downstream
 from .experiments.faithfulness import FaithfulnessResult, faithfulness
+from .experiments.geometry import GeometryOptions, GeometryResult
+from .experiments.geometry_run import run_geometry
 from .families import FamilySpec, UnsupportedModelError, register_family, supported_families
 from .loading import LoadedModel, ModelLoadError, load_model
 from .measures import Measure, get_measure, measure_names, register_measure
@@ -31,6 +34,8 @@ __all__ = [
     "DownstreamResult",
     "FaithfulnessResult",
     "FamilySpec",
+    "GeometryOptions",
+    "GeometryResult",
     "InputError",
     "LayerCall",
     "LoadedModel",
@@ -44,11 +49,13 @@ __all__ = [
     "data",
     "downstream",
     "faithfulness",
+    "geometry",
     "get_measure",
     "load_model",
     "measure_names",
     "register_family",
     "register_measure",
+    "run_geometry",
     "supported_families",
     "trace",
 ]
