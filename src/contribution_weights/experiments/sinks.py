@@ -6,6 +6,8 @@
   sequences. The curve is ``qα² + 2(γ'−κ'²)α + κ'²`` with ``q = A − 2γ' + κ'²`` (A the
   mean ‖ṽ_0‖²): convex when q > 0, minimal at ``α_min = (κ'² − γ')/q``, and α_min < 1
   exactly when γ' < A (the sink is less aligned with the tail than with itself).
+  ``convex_min_below_1`` marks the paper's shape: convex with an interior minimum,
+  0 < α_min < 1 (α_min ≤ 0 would make ‖o‖ grow with α over all of [0, 1]).
 * :class:`SemanticCone` — per head, μ̂ = normalised mean of the non-sink ṽ_j; the sink
   ṽ_0 = aμ̂ + bû; the cone is the smallest angle around μ̂ holding 90% of the non-sink
   values. Each head output o_i^(h) (i ≥ 1) is tested against the cone as is and with the
@@ -99,7 +101,7 @@ class NormFit(Stat):
                         "q": float(q),
                         "alpha_min": float(alpha_min),
                         "convex": bool(q > 0),
-                        "convex_min_below_1": bool(q > 0 and alpha_min < 1),
+                        "convex_min_below_1": bool(q > 0 and 0 < alpha_min < 1),
                         "r2": float(1 - sse / sst) if sst > 0 else float("nan"),
                         "n": int(n),
                     }

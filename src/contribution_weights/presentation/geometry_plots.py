@@ -69,17 +69,22 @@ def plot_sink_scaling(table: pd.DataFrame, layers: list[int], title: str = "") -
     return fig
 
 
-def example_heads(fit: pd.DataFrame, count: int = 4) -> list[tuple[int, int]]:
-    """Heads to draw: the best-fitting convex ones with α_min < 1, else the best fits."""
-    good = fit[fit["convex_min_below_1"]] if fit["convex_min_below_1"].any() else fit
-    good = good.sort_values("r2", ascending=False)
-    return [(int(r.layer), int(r.head)) for r in good.head(count).itertuples()]
+def example_heads(
+    fit: pd.DataFrame, points: dict[tuple[int, int], np.ndarray], count: int = 4
+) -> list[tuple[int, int]]:
+    """Heads to draw: well-fitting heads whose sampled α_i0 spread over [0, 1], those with
+    an interior minimum (convex, 0 < α_min < 1) first."""
+    spread = {k: float(np.std(v[:, 0])) for k, v in points.items() if len(v)}
+    ranked = fit.assign(spread=[spread.get((int(r.layer), int(r.head)), 0.0) for r in fit.itertuples()])
+    ranked = ranked[ranked["spread"] >= 0.1] if (ranked["spread"] >= 0.1).any() else ranked
+    ranked = ranked.sort_values(["convex_min_below_1", "r2"], ascending=False)
+    return [(int(r.layer), int(r.head)) for r in ranked.head(count).itertuples()]
 
 
 def plot_norm_fit(
     fit: pd.DataFrame, points: dict[tuple[int, int], np.ndarray], title: str = ""
 ) -> Figure:
-    heads = [h for h in example_heads(fit) if h in points]
+    heads = [h for h in example_heads(fit, points) if h in points]
     fig, axes = plt.subplots(
         1, max(1, len(heads)), figsize=(3.2 * max(1, len(heads)), 3), squeeze=False
     )
@@ -107,15 +112,29 @@ def plot_norm_fit(
     return fig
 
 
-def cone_head(snapshot: dict[str, Any]) -> tuple[int, int]:
-    """The (layer, head) of the snapshot with the highest sink rate, avoiding layer 0."""
-    best, where = -1.0, (0, 0)
+def cone_head(snapshot: dict[str, Any], low_quantile: float = 0.25) -> tuple[int, int]:
+    """The (layer, head) of the snapshot whose low-norm outputs move into the cone most
+    when the sink is removed, weighted by the spread of its output norms (a head whose
+    outputs all sit on the sink shows nothing); ties: the higher sink rate."""
+    best, where = (-1.0, -1.0), (0, 0)
     layers = sorted(int(k.split("_")[-1]) for k in snapshot if k.startswith("sink_rate_"))
-    for layer in layers[1:] or layers:
-        rates = snapshot[f"sink_rate_{layer}"]
-        h = int(rates.argmax())
-        if float(rates[h]) > best:
-            best, where = float(rates[h]), (layer, h)
+    for layer in layers:
+        with_sink = np.asarray(snapshot[f"with_{layer}"])[:, 1:]  # (H, T-1, 2)
+        without = np.asarray(snapshot[f"without_{layer}"])[:, 1:]
+        cos_cone = np.asarray(snapshot[f"cos_cone_{layer}"])
+        rates = np.asarray(snapshot[f"sink_rate_{layer}"])
+        for h in range(with_sink.shape[0]):
+            norm = np.linalg.norm(with_sink[h], axis=1)
+            low = norm <= np.quantile(norm, low_quantile)
+
+            def inside(p: np.ndarray, h: int = h) -> np.ndarray:
+                n = np.linalg.norm(p, axis=1)
+                return (p[:, 0] >= cos_cone[h] * n) & (n > 0)
+
+            gain = float(inside(without[h])[low].mean() - inside(with_sink[h])[low].mean())
+            spread = min(1.0, float(norm.std() / max(norm.mean(), 1e-30)))  # visible spread
+            if (gain * spread, float(rates[h])) > best:
+                best, where = (gain * spread, float(rates[h])), (layer, h)
     return where
 
 
