@@ -69,6 +69,8 @@ class LayerCall:
     softcap: float | None
     spec: FamilySpec
     session: CaptureSession
+    # the block being shown to observers: its probabilities and α @ v, (B, H, I, d_h)
+    block: tuple[Tensor, Tensor] | None = None
 
     @property
     def batch(self) -> int:
@@ -138,8 +140,17 @@ class LayerCall:
     def layer_tensors(self, rows: slice, probs: Tensor, dtype: torch.dtype) -> LayerTensors:
         """The pure-maths view of this layer for a block of queries, in ``dtype``."""
         w_o, b_o, gram = self.output_blocks(dtype)
+        states = None
+        if self.block is not None and self.block[0] is probs and self.block[1].dtype == dtype:
+            states = self.block[1]  # reuse α @ v computed for the model's output
         return LayerTensors(
-            probs.to(dtype), self.value.to(dtype), w_o, b_o, self.valid(rows), gram=gram
+            probs.to(dtype),
+            self.value.to(dtype),
+            w_o,
+            b_o,
+            self.valid(rows),
+            gram=gram,
+            head_states=states,
         )
 
 
@@ -187,9 +198,12 @@ class CaptureSession:
             probs = call.probs(rows)
             if scale is not None:
                 probs = probs * scale[:, :, None, :].to(probs.dtype)
+            block = torch.matmul(probs, values)
+            call.block = (probs, block)
             for observer in self.observers:
                 observer.observe(call, rows, probs)
-            outputs.append(torch.matmul(probs, values))
+            outputs.append(block)
+        call.block = None
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
         return out.transpose(1, 2).contiguous()
 

@@ -60,6 +60,8 @@ class LayerTensors:
         valid: ``(B, I, T)`` bool, True where query ``i`` may attend to key ``j``.
         gram: optional precomputed ``(H, d_h, d_h)`` ``W_O^(h)ᵀ W_O^(h)`` (it depends on the
             layer only, so callers that walk query blocks pass it in).
+        head_states: optional precomputed ``(B, H, I, d_h)`` ``α @ v`` (the attention
+            function has it already; passing it saves one attention-sized product).
 
     All tensors must share one floating dtype (the compute dtype) and device.
     """
@@ -72,6 +74,7 @@ class LayerTensors:
         b_o: Float[Tensor, " d"] | None,
         valid: Bool[Tensor, "#b i t"],
         gram: Float[Tensor, "h dh dh"] | None = None,
+        head_states: Float[Tensor, "b h i dh"] | None = None,
     ) -> None:
         _, h, _, t = probs.shape
         g = values.shape[1]
@@ -89,6 +92,8 @@ class LayerTensors:
         self.valid = valid
         if gram is not None:
             self.__dict__["gram"] = gram
+        if head_states is not None:
+            self.__dict__["head_states"] = head_states
 
     # ---- intermediates ---------------------------------------------------------------
     @cached_property
@@ -114,8 +119,8 @@ class LayerTensors:
 
     @cached_property
     def output(self) -> Float[Tensor, "b i d"]:
-        """``(B, I, d)``: o_i = Σ_h o_i^(h) + b_O."""
-        out = self.head_outputs.sum(dim=1)
+        """``(B, I, d)``: o_i = Σ_h o_i^(h) + b_O (without building every o_i^(h))."""
+        out = torch.einsum("bhid,hed->bie", self.head_states, self.w_o)
         return out if self.b_o is None else out + self.b_o
 
     @cached_property
