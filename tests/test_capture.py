@@ -188,6 +188,8 @@ def test_zero_output_projection_gives_zeros_and_flags(family_model):
     tr = cw.trace(family_model, IDS, measures="all")
     _assert_finite(tr)
     assert tr.degenerate.all()
+    assert tr.degenerate_heads is not None and tr.degenerate_heads.all()
+    assert tr.zero_values is not None and tr.zero_values.all()
     for name in ("contribution", "intra", "relative_norm", "cosine", "vw", "vw_on", "distance"):
         assert (tr[name] == 0).all(), name
     assert (tr.bias_share == 0).all()
@@ -204,6 +206,8 @@ def test_zero_values_leave_only_the_bias():
     tr = cw.trace(loaded, IDS, measures="all", compute_dtype="float64")
     _assert_finite(tr)
     assert not tr.degenerate.any()
+    assert tr.degenerate_heads is not None and tr.degenerate_heads.all()
+    assert tr.zero_values is not None and tr.zero_values.all()
     torch.testing.assert_close(tr.bias_share, torch.ones_like(tr.bias_share))
     for name in ("contribution", "intra", "relative_norm", "cosine", "vw", "vw_on", "distance"):
         assert (tr[name] == 0).all(), name

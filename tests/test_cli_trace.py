@@ -49,6 +49,9 @@ def test_trace_writes_all_outputs(tiny_folder, tmp_path, capsys):
     for name in fresh.measures:
         torch.testing.assert_close(reloaded[name], fresh[name])
     assert reloaded.tokens == fresh.tokens and reloaded.layers == [0, 1]
+    for flag in ("degenerate", "degenerate_heads", "zero_values"):
+        assert torch.equal(getattr(reloaded, flag), getattr(fresh, flag)), flag
+    assert reloaded.zero_values is not None and not reloaded.zero_values.any()
 
 
 def test_trace_layers_measures_and_heads(tiny_folder, tmp_path):

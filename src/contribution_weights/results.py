@@ -4,8 +4,9 @@ A :class:`Trace` holds, for one sequence, a float tensor ``(L, H, T, T)`` per me
 for the traced layers (``layers`` lists which), the bias share ``(L, T)``, the flags of
 degenerate queries, the tokens, and metadata. On disk it is a folder:
 
-* ``trace.safetensors``: one tensor per measure name, plus ``bias_share``,
-  ``degenerate`` (uint8) and ``input_ids``;
+* ``trace.safetensors``: one tensor per measure name, plus ``bias_share``, the flags
+  ``degenerate`` ``(L, T)``, ``degenerate_heads`` and ``zero_values`` ``(L, H, T)``
+  (uint8) and ``input_ids``;
 * ``tokens.json``: ``{"ids": [...], "tokens": [...]}``;
 * ``meta.json``: model name and type, traced layers, dtype, measures;
 * ``summary.json``: first-token weight and entropy per weight measure.
@@ -38,6 +39,12 @@ class Trace:
     degenerate: Tensor
     model_name: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
+    # flags of zero denominators (SPEC §2: the quantity is 0 there, never NaN):
+    # degenerate: (L, T) queries with o_i = 0 (ĉ, r, κ, vw_on are 0 on their rows);
+    # degenerate_heads: (L, H, T) queries with o_i^(h) = 0 (č is 0 on their rows);
+    # zero_values: (L, H, T) keys with ṽ_j^(h) = 0 (κ is 0 in their columns).
+    degenerate_heads: Tensor | None = None
+    zero_values: Tensor | None = None
 
     # ---- access ----------------------------------------------------------------------
     def __getitem__(self, name: str) -> Tensor:
@@ -132,6 +139,10 @@ class Trace:
         tensors = {name: t.contiguous() for name, t in self.measures.items()}
         tensors["bias_share"] = self.bias_share.contiguous()
         tensors["degenerate"] = self.degenerate.to(torch.uint8).contiguous()
+        for name in ("degenerate_heads", "zero_values"):
+            flag = getattr(self, name)
+            if flag is not None:
+                tensors[name] = flag.to(torch.uint8).contiguous()
         tensors["input_ids"] = self.input_ids.to(torch.int64).contiguous()
         save_file(tensors, str(out / "trace.safetensors"))
         ids = self.input_ids.tolist()
@@ -166,6 +177,10 @@ class Trace:
             layers=list(meta["layers"]),
             bias_share=tensors["bias_share"],
             degenerate=tensors["degenerate"].bool(),
+            degenerate_heads=tensors["degenerate_heads"].bool()
+            if "degenerate_heads" in tensors
+            else None,
+            zero_values=tensors["zero_values"].bool() if "zero_values" in tensors else None,
             model_name=meta.get("model", ""),
             meta=extra,
         )

@@ -63,6 +63,8 @@ class TraceRecorder:
     store: dict[str, Tensor] = field(default_factory=dict)
     bias_share: Tensor | None = None
     degenerate: Tensor | None = None
+    degenerate_heads: Tensor | None = None
+    zero_values: Tensor | None = None
 
     def __post_init__(self) -> None:
         self._position = {layer: pos for pos, layer in enumerate(self.layers)}
@@ -74,6 +76,8 @@ class TraceRecorder:
         self.store = {m: torch.zeros(shape, dtype=self.dtype, device=device) for m in self.measures}
         self.bias_share = torch.zeros(n, t, dtype=self.dtype, device=device)
         self.degenerate = torch.zeros(n, t, dtype=torch.bool, device=device)
+        self.degenerate_heads = torch.zeros(n, call.num_heads, t, dtype=torch.bool, device=device)
+        self.zero_values = torch.zeros(n, call.num_heads, t, dtype=torch.bool, device=device)
 
     def observe(self, call: LayerCall, rows: slice, probs: Tensor) -> None:
         pos = self._position.get(call.layer_idx)
@@ -85,8 +89,11 @@ class TraceRecorder:
         for name in self.measures:
             self.store[name][pos, :, rows] = get_measure(name).compute(lt)[0]
         assert self.bias_share is not None and self.degenerate is not None
+        assert self.degenerate_heads is not None and self.zero_values is not None
         self.bias_share[pos, rows] = lt.bias_share[0]
         self.degenerate[pos, rows] = lt.degenerate[0]
+        self.degenerate_heads[pos, :, rows] = lt.degenerate_heads[0]
+        self.zero_values[pos] = lt.zero_values[0]
 
 
 def _resolve_layers(layers: Sequence[int] | None, num_layers: int) -> list[int]:
@@ -180,6 +187,7 @@ def trace(
         model.model(input_ids=ids[None].to(model.device), use_cache=False)
         check_all_layers_seen(session, model.num_layers)
     assert recorder.bias_share is not None and recorder.degenerate is not None
+    assert recorder.degenerate_heads is not None and recorder.zero_values is not None
     return Trace(
         measures={k: v.cpu() for k, v in recorder.store.items()},
         input_ids=ids.cpu(),
@@ -187,6 +195,8 @@ def trace(
         layers=layer_list,
         bias_share=recorder.bias_share.cpu(),
         degenerate=recorder.degenerate.cpu(),
+        degenerate_heads=recorder.degenerate_heads.cpu(),
+        zero_values=recorder.zero_values.cpu(),
         model_name=model.name,
         meta={
             "model_type": model.config.model_type,

@@ -161,6 +161,16 @@ class LayerTensors:
         return self.output_norm2 <= 0
 
     @cached_property
+    def degenerate_heads(self) -> Bool[Tensor, "b h i"]:
+        """``(B, H, I)`` bool: head outputs o_i^(h) that are exactly zero (č is 0 there)."""
+        return self.head_output_norm2 <= 0
+
+    @cached_property
+    def zero_values(self) -> Bool[Tensor, "b h t"]:
+        """``(B, H, T)`` bool: projected values ṽ_j^(h) that are exactly zero (κ is 0 there)."""
+        return self.value_norm <= 0
+
+    @cached_property
     def bias_share(self) -> Float[Tensor, "b i"]:
         """``(B, I)``: ⟨o_i, b_O⟩ / ‖o_i‖² (0 for bias-free projections)."""
         if self.b_o is None:
