@@ -93,7 +93,8 @@ class LayerCall:
         return self.key.shape[2]
 
     def row_blocks(self) -> list[slice]:
-        per_row = self.batch * self.num_heads * self.k_len * 4
+        # counted at 8 bytes an element, so that float64 measures stay within the bound too
+        per_row = self.batch * self.num_heads * self.k_len * 8
         step = max(1, self.session.block_bytes // max(1, per_row))
         return [slice(s, min(self.q_len, s + step)) for s in range(0, self.q_len, step)]
 
