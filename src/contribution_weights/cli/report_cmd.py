@@ -22,7 +22,7 @@ def parse_size(value: str) -> int | None:
     found = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-z]*)", text)
     if not found or found.group(2) not in _UNITS:
         raise argparse.ArgumentTypeError(
-            f"{value!r} is not a size; write e.g. 64M, 500k, 20MB or 0 for no limit"
+            f"{value!r} is not a size; write e.g. 64M, 500k, 20MB (units of 1024) or 0 for no limit"
         )
     return int(float(found.group(1)) * _UNITS[found.group(2)])
 
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         result = trace(
             model,
             text,
-            measures="all" if measures == "all" else measures,
+            measures=measures,
             layers=args.layers,
             max_tokens=args.max_tokens,
             truncate=args.truncate,
@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
             title=args.title,
         )
     print(
-        f"wrote {info.path} ({info.size_bytes / 2**20:.2f} MB; {len(info.layers)} of "
+        f"wrote {info.path} ({info.size_bytes / 2**20:.2f} MiB; {len(info.layers)} of "
         f"{len(result.layers)} layers; measures {', '.join(info.measures)}; {info.precision})"
     )
     for note in info.warnings:

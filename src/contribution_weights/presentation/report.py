@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from ..results import Trace
 
 DEFAULT_MEASURES = ("attention", "contribution", "intra", "vw", "vw_on", "distance")
-DEFAULT_MAX_BYTES = 100 * 2**20  # SmolLM2 at 512 tokens, all 30 layers: 81 MB
+DEFAULT_MAX_BYTES = 100 * 2**20  # SmolLM2, 512 tokens, 30 layers: 80.9 MiB
 NOTEBOOK_MAX_BYTES = 8 * 2**20
 FORMAT_VERSION = 1
 _CHUNK_TAG = '<script type="application/x-cw-chunk" id="{id}">{data}</script>\n'
@@ -285,13 +285,13 @@ def build_report(
         else:
             raise ValueError(
                 f"even one layer makes the report larger than max_bytes={max_bytes:,} "
-                f"(about {(fixed + min(map(enc.layer_bytes, wanted))) / 2**20:.1f} MB); raise "
+                f"(about {(fixed + min(map(enc.layer_bytes, wanted))) / 2**20:.1f} MiB); raise "
                 "max_bytes (CLI: --max-bytes), embed fewer measures, or trace a shorter text"
             )
         dropped = [layer for layer in wanted if layer not in chosen]
         notes = [
-            f"All {len(wanted)} layers would make {full_mb:.1f} MB, over the limit of "
-            f"{max_bytes / 2**20:.1f} MB: embedded {len(chosen)} evenly spaced layers "
+            f"All {len(wanted)} layers would make {full_mb:.1f} MiB, over the limit of "
+            f"{max_bytes / 2**20:.1f} MiB: embedded {len(chosen)} evenly spaced layers "
             f"({', '.join(map(str, chosen))}); left out {', '.join(map(str, dropped))}. "
             f"'Mean over layers' still averages all {len(trace.layers)} traced layers. "
             "Raise max_bytes (cw report --max-bytes), pick layers, or embed fewer measures."
