@@ -221,7 +221,7 @@ def test_smollm2_report_at_a_realistic_length(tmp_path, browser, smollm2, shared
     assert _errors(b) == []
     b.screenshot(ARTIFACTS / "report-smollm2.png")
     print(
-        f"SmolLM2 256 tokens: {info.size_bytes / 2**20:.1f} MB, load {load_s:.2f} s, "
+        f"SmolLM2 256 tokens: {info.size_bytes / 2**20:.1f} MiB, load {load_s:.2f} s, "
         f"layer switch {timing:.0f} ms"
     )
     assert load_s < 20 and timing < 3000

@@ -19,7 +19,9 @@
   const COL = new Float64Array(T);
   for (let j = 0; j < T; j++) COL[j] = j * T - (j * (j - 1)) / 2;
   const MEAN = "mean";
-  const CACHE_MAX = 40;
+  // inflated chunks kept in memory: about 300 MB at most, between 6 and 64 chunks
+  const CHUNK_BYTES = K * N * (META.precision === "float16" ? 2 : 1) + 4 * K * T;
+  const CACHE_MAX = Math.max(6, Math.min(64, Math.floor(3e8 / CHUNK_BYTES)));
   const $ = (id) => document.getElementById(id);
 
   const state = {
