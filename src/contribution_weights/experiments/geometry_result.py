@@ -224,7 +224,7 @@ def build_result(acc: GeometryAccumulator) -> GeometryResult:
             ]
         table.index = table.index.astype(object)
         table.loc["all"] = overall
-        table["low_norm_outputs"] = [*list(cone.counts[:, 0]), total[0]]
+        table["low_norm_outputs"] = [int(x) for x in [*cone.counts[:, 0], total[0]]]
         res.semantic_cone = table
         res.cone_snapshot = dict(cone.snapshot)
     return res

@@ -75,7 +75,9 @@ def example_heads(
     """Heads to draw: well-fitting heads whose sampled α_i0 spread over [0, 1], those with
     an interior minimum (convex, 0 < α_min < 1) first."""
     spread = {k: float(np.std(v[:, 0])) for k, v in points.items() if len(v)}
-    ranked = fit.assign(spread=[spread.get((int(r.layer), int(r.head)), 0.0) for r in fit.itertuples()])
+    ranked = fit.assign(
+        spread=[spread.get((int(r.layer), int(r.head)), 0.0) for r in fit.itertuples()]
+    )
     ranked = ranked[ranked["spread"] >= 0.1] if (ranked["spread"] >= 0.1).any() else ranked
     ranked = ranked.sort_values(["convex_min_below_1", "r2"], ascending=False)
     return [(int(r.layer), int(r.head)) for r in ranked.head(count).itertuples()]
@@ -127,9 +129,9 @@ def cone_head(snapshot: dict[str, Any], low_quantile: float = 0.25) -> tuple[int
             norm = np.linalg.norm(with_sink[h], axis=1)
             low = norm <= np.quantile(norm, low_quantile)
 
-            def inside(p: np.ndarray, h: int = h) -> np.ndarray:
+            def inside(p: np.ndarray, c: float = float(cos_cone[h])) -> np.ndarray:
                 n = np.linalg.norm(p, axis=1)
-                return (p[:, 0] >= cos_cone[h] * n) & (n > 0)
+                return (p[:, 0] >= c * n) & (n > 0)
 
             gain = float(inside(without[h])[low].mean() - inside(with_sink[h])[low].mean())
             spread = min(1.0, float(norm.std() / max(norm.mean(), 1e-30)))  # visible spread
@@ -233,8 +235,9 @@ def _fmt(t: pd.DataFrame, index: bool = True) -> str:
     """A DataFrame as a Markdown table (3 decimals), without optional dependencies."""
     head = ([str(t.index.name or "")] if index else []) + [str(c) for c in t.columns]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for key, row in t.iterrows():
-        cells = ([_cell(key)] if index else []) + [_cell(v) for v in row.tolist()]
+    for row in t.itertuples(index=True, name=None):  # keeps each column's type
+        key, values = row[0], row[1:]
+        cells = ([_cell(key)] if index else []) + [_cell(v) for v in values]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
