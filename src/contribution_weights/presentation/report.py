@@ -25,6 +25,7 @@ import html
 import json
 import re
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.resources import files
 from pathlib import Path
@@ -152,55 +153,90 @@ def _summary_tables(trace: Trace) -> tuple[dict[str, Any], dict[str, Any]]:
     return table, chart
 
 
-class _Encoded:
-    """Every chunk of a report, encoded once; layers are chosen afterwards by size."""
+class _Encoder:
+    """The chunks of a report, each encoded on first use, so that layers left out for
+    size are never encoded (the mean-over-layers chunks are always needed)."""
 
     def __init__(
-        self, trace: Trace, names: list[str], layers: list[int], precision: str, progress: bool
+        self, trace: Trace, names: list[str], precision: str, progress: bool, n_layers: int
     ):
-        self.signed: dict[str, bool] = {}
-        self.layer_chunks: dict[int, list[tuple[ChunkInfo, str]]] = {layer: [] for layer in layers}
-        self.mean_chunks: list[tuple[ChunkInfo, str]] = []
-        bar = tqdm(
-            total=len(names) * (len(layers) + 1),
+        self.trace, self.names, self.precision = trace, names, precision
+        self.values = {n: trace[n].detach().to("cpu").float().numpy() for n in names}
+        self.signed = {n: _is_signed(n, v) for n, v in self.values.items()}
+        self.bar = tqdm(
+            total=len(names) * (n_layers + 1),
             desc="report: encoding",
             unit="chunk",
             disable=not progress,
         )
-        counter = 0
-        for name in names:
-            values = trace[name].detach().to("cpu").float().numpy()  # (L, H, T, T)
-            signed = self.signed[name] = _is_signed(name, values)
+        self._layers: dict[int, list[tuple[ChunkInfo, str]]] = {}
+        self.mean_chunks = []
+        for k, (name, values) in enumerate(self.values.items()):
             mean = np.concatenate(
                 [
                     values.mean(0, dtype=np.float64),
                     values.sum(axis=(0, 1), dtype=np.float64)[None] / len(values),
                 ]
             )
-            self.mean_chunks.append(self._chunk(name, "mean", mean, precision, signed, counter))
-            counter += 1
-            bar.update()
-            for layer in layers:
-                block = values[trace.layer_position(layer)]
-                blocks = np.concatenate([block, block.sum(0, keepdims=True, dtype=np.float64)])
-                chunk = self._chunk(name, str(layer), blocks, precision, signed, counter)
-                self.layer_chunks[layer].append(chunk)
-                counter += 1
-                bar.update()
-        bar.close()
+            self.mean_chunks.append(self._chunk(k, name, "mean", mean))
 
-    @staticmethod
-    def _chunk(
-        name: str, layer: str, blocks: np.ndarray, precision: str, signed: bool, n: int
-    ) -> tuple[ChunkInfo, str]:
-        text = b64(encode_chunk(blocks, precision, signed))
-        return ChunkInfo(name, layer, f"cw-c{n}", len(text)), text
+    def _chunk(self, k: int, name: str, layer: str, blocks: np.ndarray) -> tuple[ChunkInfo, str]:
+        text = b64(encode_chunk(blocks, self.precision, self.signed[name]))
+        self.bar.update()
+        return ChunkInfo(name, layer, f"cw-c{k}-{layer}", len(text)), text
+
+    def layer(self, layer: int) -> list[tuple[ChunkInfo, str]]:
+        """One chunk per measure for a model layer: its H heads and their sum."""
+        if layer not in self._layers:
+            pos = self.trace.layer_position(layer)
+            chunks = []
+            for k, (name, values) in enumerate(self.values.items()):
+                block = values[pos]
+                blocks = np.concatenate([block, block.sum(0, keepdims=True, dtype=np.float64)])
+                chunks.append(self._chunk(k, name, str(layer), blocks))
+            self._layers[layer] = chunks
+        return self._layers[layer]
 
     def layer_bytes(self, layer: int) -> int:
+        """Exact bytes a layer adds to the page (encodes it if needed)."""
         return sum(
             len(_CHUNK_TAG) + len(info.script_id) + info.compressed_bytes
-            for info, _ in self.layer_chunks[layer]
+            for info, _ in self.layer(layer)
         )
+
+    def estimate(self, layers: list[int]) -> float:
+        """Bytes of these layers: exact where encoded, the mean of those elsewhere."""
+        known = [self.layer_bytes(x) for x in self._layers]
+        mean = sum(known) / len(known) if known else 0.0
+        return sum(self.layer_bytes(x) if x in self._layers else mean for x in layers)
+
+    def close(self) -> None:
+        self.bar.total = self.bar.n  # layers left out were never encoded
+        self.bar.refresh()
+        self.bar.close()
+
+
+def _choose_layers(
+    enc: _Encoder, wanted: list[int], max_bytes: int, page_for: Callable[[list[int]], str]
+) -> tuple[list[int], str] | None:
+    """The most evenly spaced layers whose page fits in ``max_bytes``, and that page.
+
+    Every candidate that is checked is rendered and measured exactly; an estimate from
+    the layers encoded so far only skips candidates that are clearly too large, so most
+    layers that do not make it into the file are never encoded.
+    """
+    base = len(page_for([]).encode())
+    enc.layer(wanted[-1])
+    for k in range(len(wanted), 0, -1):
+        candidate = _evenly_spaced(wanted, k)
+        # layers differ (sliding-window layers compress far better than global ones),
+        # so only an estimate twice over the limit is trusted to rule a candidate out
+        if base + enc.estimate(candidate) > 2 * max_bytes:
+            continue
+        page = page_for(candidate)
+        if len(page.encode()) <= max_bytes:
+            return candidate, page
+    return None
 
 
 def _render(
@@ -240,8 +276,8 @@ def build_report(
         trace.layer_position(layer)  # raises with the traced layers listed
     if not wanted:
         raise ValueError("no layer given for the report; pass layers=None for all traced layers")
-    enc = _Encoded(trace, names, wanted, precision, progress)
     table, chart = _summary_tables(trace)
+    enc = _Encoder(trace, names, precision, progress, len(wanted))
     title = title or f"Contribution weights · {trace.model_name or 'trace'}"
     meta: dict[str, Any] = {
         "version": FORMAT_VERSION,
@@ -269,35 +305,42 @@ def build_report(
 
     def render(chosen: list[int], notes: list[str]) -> str:
         chunks = list(enc.mean_chunks)
-        for name_index in range(len(names)):
-            chunks += [enc.layer_chunks[layer][name_index] for layer in chosen]
+        for k in range(len(names)):
+            chunks += [enc.layer(layer)[k] for layer in chosen]
         return _render({**meta, "layers": chosen, "warnings": notes}, chunks, title, compact)
 
-    page = render(wanted, [])
-    chosen, notes = wanted, []
-    if max_bytes is not None and len(page.encode()) > max_bytes:
-        fixed = len(page.encode()) - sum(enc.layer_bytes(layer) for layer in wanted)
-        full_mb = len(page.encode()) / 2**20
-        for k in range(len(wanted) - 1, 0, -1):
-            chosen = _evenly_spaced(wanted, k)
-            if fixed + sum(enc.layer_bytes(layer) for layer in chosen) + 2048 <= max_bytes:
-                break
-        else:
-            raise ValueError(
-                f"even one layer makes the report larger than max_bytes={max_bytes:,} "
-                f"(about {(fixed + min(map(enc.layer_bytes, wanted))) / 2**20:.1f} MiB); raise "
-                "max_bytes (CLI: --max-bytes), embed fewer measures, or trace a shorter text"
-            )
+    def notes_for(chosen: list[int]) -> list[str]:
+        if chosen == wanted or max_bytes is None:
+            return []
         dropped = [layer for layer in wanted if layer not in chosen]
-        notes = [
-            f"All {len(wanted)} layers would make {full_mb:.1f} MiB, over the limit of "
+        return [
+            f"All {len(wanted)} layers would not fit the limit of "
             f"{max_bytes / 2**20:.1f} MiB: embedded {len(chosen)} evenly spaced layers "
             f"({', '.join(map(str, chosen))}); left out {', '.join(map(str, dropped))}. "
             f"'Mean over layers' still averages all {len(trace.layers)} traced layers. "
             "Raise max_bytes (cw report --max-bytes), pick layers, or embed fewer measures."
         ]
+
+    def page_for(chosen: list[int]) -> str:
+        return render(chosen, notes_for(chosen))
+
+    if max_bytes is None:
+        chosen, page = wanted, page_for(wanted)
+    else:
+        found = _choose_layers(enc, wanted, max_bytes, page_for)
+        if found is None:
+            enc.close()
+            one = len(page_for([]).encode()) + min(enc.layer_bytes(x) for x in wanted[-1:])
+            raise ValueError(
+                f"even one layer makes the report larger than max_bytes={max_bytes:,} "
+                f"(about {one / 2**20:.1f} MiB); raise max_bytes (CLI: --max-bytes), embed "
+                "fewer measures, or trace a shorter text"
+            )
+        chosen, page = found
+    enc.close()
+    notes = notes_for(chosen)
+    if notes:
         warnings.warn(ReportSizeWarning(notes[0]), stacklevel=3)
-        page = render(chosen, notes)
     info = ReportInfo(
         path=None,
         size_bytes=len(page.encode()),
