@@ -235,7 +235,7 @@ def test_query_blocks_float32(family):
 
 def test_block_bytes_bounds_the_blocks():
     loaded = tiny_model("qwen2")
-    per_row = 1 * 4 * len(IDS) * 4  # B · H · T_k · 4 bytes
+    per_row = 1 * 4 * len(IDS) * 8  # B · H · T_k · 8 bytes (sized for float64 measures)
     for block_bytes, rows in [(1, 1), (3 * per_row, 3), (10**9, len(IDS))]:
         rec = Recorder()
         with torch.no_grad(), capturing(loaded.model, [rec], block_bytes=block_bytes) as session:
@@ -252,7 +252,7 @@ def test_batch_dimension(family_model):
     with torch.no_grad(), capturing(family_model.model, [rec]):
         logits = family_model.model(input_ids=batch, use_cache=False).logits
     assert torch.equal(logits, run.logits)
-    with torch.no_grad(), capturing(family_model.model, [blocked], block_bytes=3 * 4 * 11 * 4 * 3):
+    with torch.no_grad(), capturing(family_model.model, [blocked], block_bytes=3 * 4 * 11 * 8 * 3):
         family_model.model(input_ids=batch, use_cache=False)
     names = [*MEASURES, "distance"]
     for layer in range(family_model.num_layers):

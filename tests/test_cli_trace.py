@@ -110,3 +110,23 @@ def test_demo_on_embedded_model(tmp_path, capsys, smollm2):
     assert (
         summary["attention"]["first_token_weight"] > summary["contribution"]["first_token_weight"]
     )
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("0,5,-1", [0, 5, -1]), ("0-3", [0, 1, 2, 3]), ("-3--1", [-3, -2, -1]), ("2", [2])],
+)
+def test_parse_int_list(text, expected):
+    from contribution_weights.cli.common import parse_int_list
+
+    assert parse_int_list(text) == expected
+
+
+@pytest.mark.parametrize("text", ["a", "3-1", "1-2-3"])
+def test_parse_int_list_rejects_with_syntax(text):
+    import argparse
+
+    from contribution_weights.cli.common import parse_int_list
+
+    with pytest.raises(argparse.ArgumentTypeError, match=r"0-3|empty"):
+        parse_int_list(text)

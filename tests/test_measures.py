@@ -269,3 +269,20 @@ def test_registry_names_and_errors():
         resolve_measures(" , ")
     assert get_measure("contribution").signed and not get_measure("vw").signed
     assert not get_measure("cosine").is_weight and get_measure("distance").is_weight
+
+
+def test_distance_blocks_over_queries_heads_and_keys_agree():
+    # max_elements small enough to force blocks of one key: the result must not change
+    torch.manual_seed(3)
+    b, h, g, i, t, dh, d = 2, 4, 2, 5, 7, 3, 6
+    probs = torch.rand(b, h, i, t, dtype=torch.float64)
+    lt = LayerTensors(
+        probs,
+        torch.randn(b, g, t, dh, dtype=torch.float64),
+        torch.randn(h, d, dh, dtype=torch.float64),
+        torch.randn(d, dtype=torch.float64),
+        torch.ones(b, i, t, dtype=torch.bool),
+    )
+    whole = distance(lt, max_elements=1 << 30)
+    for budget in (1, b * d, b * d * 3, b * h * d * 2):
+        torch.testing.assert_close(distance(lt, max_elements=budget), whole)

@@ -116,7 +116,11 @@ class Trace:
 
     def to_dataframe(self, measures: list[str] | None = None) -> pd.DataFrame:
         """Long table: one row per (layer, head, query, key) with key ≤ query."""
-        names = measures or list(self.measures)
+        names = list(self.measures) if measures is None else list(measures)
+        if not names:
+            raise ValueError(
+                f"name at least one measure; this trace has: {', '.join(self.measures)}"
+            )
         first = self[names[0]]
         n_l, n_h, t, _ = first.shape
         qi, kj = torch.tril_indices(t, t)

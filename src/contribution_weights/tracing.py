@@ -96,7 +96,7 @@ class TraceRecorder:
         self.zero_values[pos] = lt.zero_values[0]
 
 
-def _resolve_layers(layers: Sequence[int] | None, num_layers: int) -> list[int]:
+def resolve_layers(layers: Sequence[int] | None, num_layers: int) -> list[int]:
     if layers is None:
         return list(range(num_layers))
     out: list[int] = []
@@ -124,6 +124,8 @@ def encode(
         ids = torch.as_tensor(text, dtype=torch.long).reshape(-1)
     if ids.numel() == 0:
         raise InputError("no tokens to trace; pass a non-empty text or id list")
+    if max_tokens is not None and max_tokens < 1:
+        raise InputError(f"max_tokens must be at least 1, not {max_tokens}")
     limit = max_tokens or model.max_positions
     if limit is not None and ids.numel() > limit:
         if not truncate:
@@ -180,7 +182,7 @@ def trace(
     if dtype not in (torch.float32, torch.float64):
         raise InputError(f"compute_dtype must be float32 or float64, not {compute_dtype!r}")
     names = resolve_measures(measures)
-    layer_list = _resolve_layers(layers, model.num_layers)
+    layer_list = resolve_layers(layers, model.num_layers)
     ids = encode(model, inputs, max_tokens, truncate)  # type: ignore[arg-type]
     recorder = TraceRecorder(names, layer_list, ids.numel(), dtype)
     with torch.no_grad(), capturing(model.model, [recorder], block_bytes=block_bytes) as session:

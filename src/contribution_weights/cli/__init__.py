@@ -32,13 +32,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from ..capture import CaptureError
     from ..loading import ModelLoadError
     from ..runs import RunFolderError
     from ..tracing import InputError
 
+    expected = (InputError, ModelLoadError, RunFolderError, CaptureError, ValueError)
     try:
         return int(args.func(args) or 0)
-    except (InputError, ModelLoadError, RunFolderError, ValueError, FileNotFoundError) as err:
+    except (*expected, FileNotFoundError) as err:
         print(f"cw {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

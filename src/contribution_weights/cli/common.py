@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -46,15 +47,24 @@ def read_text(args: argparse.Namespace) -> str:
 
 
 def parse_int_list(value: str) -> list[int]:
-    """``"0,5,-1"`` or ``"0-3"`` ranges into ints."""
+    """``"0,5,-1"``, ranges ``"0-3"`` and negative ranges ``"-3--1"`` into ints."""
     out: list[int] = []
     for part in value.split(","):
         part = part.strip()
         if not part:
             continue
-        if "-" in part[1:]:
-            lo, hi = part.split("-", 1) if not part.startswith("-") else (part, part)
-            out.extend(range(int(lo), int(hi) + 1))
-        else:
-            out.append(int(part))
+        match = _RANGE.fullmatch(part)
+        if match is None:
+            raise argparse.ArgumentTypeError(
+                f"{part!r} is not an index or a range; write e.g. 0,5,-1 or 0-3 or -3--1"
+            )
+        lo, hi = int(match[1]), int(match[2] if match[2] is not None else match[1])
+        if hi < lo:
+            raise argparse.ArgumentTypeError(
+                f"range {part!r} is empty (its end is below its start)"
+            )
+        out.extend(range(lo, hi + 1))
     return out
+
+
+_RANGE = re.compile(r"(-?\d+)(?:-(-?\d+))?")

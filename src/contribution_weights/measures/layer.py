@@ -118,6 +118,11 @@ class LayerTensors:
         return torch.einsum("bhid,hed->bhie", self.head_states, self.w_o)
 
     @cached_property
+    def projected_values(self) -> Float[Tensor, "b h t d"]:
+        """``(B, H, T, d)``: ṽ_j^(h) = W_O^(h) v_j (built only by measures that need it)."""
+        return torch.einsum("bhtd,hed->bhte", self.head_values, self.w_o)
+
+    @cached_property
     def output(self) -> Float[Tensor, "b i d"]:
         """``(B, I, d)``: o_i = Σ_h o_i^(h) + b_O (without building every o_i^(h))."""
         out = torch.einsum("bhid,hed->bie", self.head_states, self.w_o)
@@ -230,21 +235,31 @@ def ihc(lt: LayerTensors) -> Weights:
 def distance(lt: LayerTensors, max_elements: int = 1 << 25) -> Weights:
     """Ferrando et al. (2022): max(0, ‖o_i‖₁ − ‖o_i − α_ij ṽ_j^(h)‖₁), normalised per query.
 
-    Needs ``α_ij ṽ_j^(h)`` explicitly; built for sub-blocks of queries holding at most
-    ``max_elements`` numbers at a time.
+    Needs every ``α_ij ṽ_j^(h)`` explicitly; they are built for blocks of (query, head)
+    pairs and key ranges holding at most ``max_elements`` numbers at a time (at least one
+    key's ``B × d``), besides the ``(B, H, T, d)`` projected values themselves.
     """
     b, h, i, t = lt.probs.shape
     d = lt.w_o.shape[1]
-    projected = torch.einsum("bhtd,hed->bhte", lt.head_values, lt.w_o)  # (B, H, T, d)
+    projected = lt.projected_values
     out = lt.output
     out_l1 = out.abs().sum(-1)  # (B, I)
     result = torch.empty_like(lt.probs)
-    step = max(1, max_elements // max(1, b * h * t * d))
-    for start in range(0, i, step):
-        stop = min(i, start + step)
-        weighted = lt.probs[:, :, start:stop, :, None] * projected[:, :, None]  # (B,H,s,T,d)
-        rest = (out[:, None, start:stop, None, :] - weighted).abs().sum(-1)
-        result[:, :, start:stop] = (out_l1[:, None, start:stop, None] - rest).clamp_min(0)
+    keys = max(1, min(t, max_elements // max(1, b * d)))  # keys per block, one query and head
+    queries = max(1, min(i, max_elements // max(1, b * h * keys * d)))
+    heads = max(1, min(h, max_elements // max(1, b * queries * keys * d)))
+    for q0 in range(0, i, queries):
+        q1 = min(i, q0 + queries)
+        o_block = out[:, None, q0:q1, None, :]
+        for h0 in range(0, h, heads):
+            h1 = min(h, h0 + heads)
+            for k0 in range(0, t, keys):
+                k1 = min(t, k0 + keys)
+                alpha = lt.probs[:, h0:h1, q0:q1, k0:k1, None]
+                weighted = alpha * projected[:, h0:h1, None, k0:k1]  # (B, h, q, k, d)
+                rest = (o_block - weighted).abs().sum(-1)
+                gain = out_l1[:, None, q0:q1, None] - rest
+                result[:, h0:h1, q0:q1, k0:k1] = gain.clamp_min(0)
     result = lt.masked(result)
     total = result.sum(dim=(1, 3), keepdim=True)
     return safe_div(result, total)
