@@ -22,7 +22,7 @@ MEASURE_STYLE = {
     "ihc": ("tab:red", "D"),
     "distance": ("tab:purple", "v"),
 }
-LOG_RANGE = 100.0  # use a log y axis when the positive values span more than this factor
+LOG_RANGE = 20.0  # use a log y axis when the positive values span more than this factor
 
 
 def _style(measure: str, i: int) -> tuple[str, str]:
