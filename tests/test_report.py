@@ -20,6 +20,7 @@ from contribution_weights.cli import main
 from contribution_weights.presentation import report_data
 from contribution_weights.presentation.report import (
     ReportSizeWarning,
+    _ranges,
     build_report,
     notebook_html,
     read_report,
@@ -182,6 +183,11 @@ def test_over_the_limit_keeps_evenly_spaced_layers_and_warns(tmp_path):
     assert np.allclose(np.tril(mean), np.tril(want), atol=1 / 510 + 1e-6)
     with pytest.raises(ValueError, match="even one layer"):
         write_report(trace, tmp_path / "s.html", max_bytes=20_000, progress=False)
+
+
+def test_layer_ranges_in_the_warning():
+    assert _ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
+    assert _ranges([3]) == "3" and _ranges([]) == ""
 
 
 def test_choice_of_measures_and_layers(tiny_trace):

@@ -108,6 +108,17 @@ def _evenly_spaced(items: list[int], k: int) -> list[int]:
     return [items[i] for i in idx]
 
 
+def _ranges(items: list[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2, 5, 7-8"``."""
+    runs: list[list[int]] = []
+    for x in items:
+        if runs and x == runs[-1][-1] + 1:
+            runs[-1].append(x)
+        else:
+            runs.append([x])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+
+
 def _is_signed(name: str, values: np.ndarray) -> bool:
     try:
         declared = get_measure(name).signed
@@ -316,7 +327,7 @@ def build_report(
         return [
             f"All {len(wanted)} layers would not fit the limit of "
             f"{max_bytes / 2**20:.1f} MiB: embedded {len(chosen)} evenly spaced layers "
-            f"({', '.join(map(str, chosen))}); left out {', '.join(map(str, dropped))}. "
+            f"({', '.join(map(str, chosen))}); left out {_ranges(dropped)}. "
             f"'Mean over layers' still averages all {len(trace.layers)} traced layers. "
             "Raise max_bytes (cw report --max-bytes), pick layers, or embed fewer measures."
         ]
