@@ -165,8 +165,8 @@ def _summary_tables(trace: Trace) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 class _Encoder:
-    """The chunks of a report, each encoded on first use, so that layers left out for
-    size are never encoded (the mean-over-layers chunks are always needed)."""
+    """The chunks of a report, each encoded on first use, so that most layers left out
+    for size are never encoded (the mean-over-layers chunks are always needed)."""
 
     def __init__(
         self, trace: Trace, names: list[str], precision: str, progress: bool, n_layers: int
