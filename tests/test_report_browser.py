@@ -161,6 +161,13 @@ def test_report_in_the_browser(tmp_path, browser):
     _settled(b)
     _check_row(b, trace, "vw", last, "sum", 7)
 
+    # clicking a point of the first-token chart shows that layer
+    b.click('#cw-chart circle.pt[data-layer="0"]')
+    _settled(b)
+    b.wait("document.body.dataset.rendered === 'vw|0|4|7'")
+    assert b.js("return document.getElementById('cw-layer').value;") == "0"
+    _check_row(b, trace, "vw", "0", "sum", 7)
+
     # the chart and the table are there
     assert b.js("return document.querySelectorAll('#cw-chart polyline').length;") == len(
         trace.weight_measures()

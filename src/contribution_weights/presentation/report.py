@@ -258,7 +258,9 @@ def _render(
         "__CW_TITLE__": html.escape(title),
         "__CW_BODY_CLASS__": "compact" if compact else "full",
         "/*__CW_CSS__*/": _asset("report.css"),
-        "//__CW_JS__": _asset("report.js"),
+        "//__CW_JS__": "\n".join(
+            _asset(n) for n in ("report_data.js", "report_chart.js", "report.js")
+        ),
         "__CW_META__": _json_for_script(meta),
         "<!--__CW_CHUNKS__-->": "".join(
             _CHUNK_TAG.format(id=c.script_id, data=text) for c, text in chunks

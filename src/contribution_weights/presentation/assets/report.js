@@ -1,27 +1,19 @@
-/* contribution-weights interactive report. Vanilla JS, no network.
+/* contribution-weights interactive report: the page's behaviour. Vanilla JS, no network.
  *
- * Data: #cw-meta (JSON) describes the trace; each script element of type x-cw-chunk
- * holds one (measure, layer) chunk, zlib-compressed and base64-encoded, with H + 1 blocks
- * (the heads, then their sum) of the lower triangle of the query x key matrix, stored
- * key by key (see report_data.py for the exact layout and rounding). Chunks are inflated on first use
- * and kept in a small LRU cache.
+ * Loaded after report_data.js (cwStore: the embedded chunks) and report_chart.js
+ * (cwChart: the first-token chart). META (#cw-meta) describes the trace; the state
+ * object below is the whole UI state, and render() redraws from it.
  */
 (function () {
   "use strict";
 
   const META = JSON.parse(document.getElementById("cw-meta").textContent);
+  const STORE = cwStore(META);
+  const chunk = STORE.chunk;
   const T = META.num_tokens;
   const H = META.num_heads;
-  const K = H + 1;
-  const N = (T * (T + 1)) / 2;
   const SUM = H; // block index of the sum over heads
-  // storage is key-major: key j's queries i = j..T-1 start at COL[j] within a block
-  const COL = new Float64Array(T);
-  for (let j = 0; j < T; j++) COL[j] = j * T - (j * (j - 1)) / 2;
   const MEAN = "mean";
-  // inflated chunks kept in memory: about 300 MB at most, between 6 and 64 chunks
-  const CHUNK_BYTES = K * N * (META.precision === "float16" ? 2 : 1) + 4 * K * T;
-  const CACHE_MAX = Math.max(6, Math.min(64, Math.floor(3e8 / CHUNK_BYTES)));
   const $ = (id) => document.getElementById(id);
 
   const state = {
@@ -40,65 +32,6 @@
     matches: [],
     matchPos: -1,
   };
-
-  // ---- decoding ---------------------------------------------------------------------
-  let F16 = null;
-  function float16Table() {
-    const table = new Float32Array(65536);
-    for (let h = 0; h < 65536; h++) {
-      const s = h & 0x8000 ? -1 : 1;
-      const e = (h >> 10) & 0x1f;
-      const f = h & 0x3ff;
-      if (e === 0) table[h] = s * f * Math.pow(2, -24);
-      else if (e === 31) table[h] = f ? NaN : s * Infinity;
-      else table[h] = s * (1 + f / 1024) * Math.pow(2, e - 15);
-    }
-    return table;
-  }
-
-  function base64Bytes(text) {
-    const bin = atob(text.trim());
-    const out = new Uint8Array(bin.length);
-    for (let i = 0; i < bin.length; i++) out[i] = bin.charCodeAt(i);
-    return out;
-  }
-
-  async function inflate(bytes) {
-    if (typeof DecompressionStream === "undefined") {
-      throw new Error("this browser lacks DecompressionStream (needs Chrome 80+, Firefox 113+ or Safari 16.4+)");
-    }
-    const stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream("deflate"));
-    return new Response(stream).arrayBuffer();
-  }
-
-  function makeChunk(buf, signed) {
-    if (META.precision === "float16") {
-      F16 = F16 || float16Table();
-      const h = new Uint16Array(buf, 0, K * N);
-      return { get: (b, i, j) => F16[h[b * N + COL[j] + i - j]] };
-    }
-    const scales = new Float32Array(buf, 0, K * T);
-    const codes = signed ? new Int8Array(buf, 4 * K * T, K * N) : new Uint8Array(buf, 4 * K * T, K * N);
-    return { get: (b, i, j) => codes[b * N + COL[j] + i - j] * scales[b * T + i] };
-  }
-
-  const cache = new Map(); // "measure/layer" -> Promise<chunk>
-  function chunk(measure, layer) {
-    const key = measure + "/" + layer;
-    if (cache.has(key)) {
-      const hit = cache.get(key);
-      cache.delete(key);
-      cache.set(key, hit);
-      return hit;
-    }
-    const id = META.chunks[key];
-    if (!id) return Promise.reject(new Error("no data for " + key));
-    const el = $(id);
-    const promise = inflate(base64Bytes(el.textContent)).then((buf) => makeChunk(buf, META.measures[measure].signed));
-    cache.set(key, promise);
-    while (cache.size > CACHE_MAX) cache.delete(cache.keys().next().value);
-    return promise;
-  }
 
   // ---- colours ----------------------------------------------------------------------
   const NEG = [33, 102, 172];
@@ -399,64 +332,17 @@
   });
 
   // ---- first-token chart ------------------------------------------------------------
-  const PALETTE = ["#2f5bd3", "#b2182b", "#0f9d76", "#a855f7", "#d97706", "#0891b2", "#64748b", "#db2777"];
   function renderChart() {
-    const box = $("cw-chart");
-    const data = META.first_token_weight;
-    const names = Object.keys(data.series);
-    if (!names.length) {
-      box.textContent = "No weight measure in this trace.";
-      return;
-    }
-    const W = 560, Hh = 230, L = 44, R = 12, Tp = 12, B = 34;
-    const xs = data.layers;
-    let ymax = 0;
-    names.forEach((n) => data.series[n].forEach((v) => { if (v !== null) ymax = Math.max(ymax, v); }));
-    ymax = ymax > 0 ? ymax * 1.08 : 1;
-    const x = (k) => L + (xs.length > 1 ? (k / (xs.length - 1)) * (W - L - R) : (W - L - R) / 2);
-    const y = (v) => Tp + (1 - v / ymax) * (Hh - Tp - B);
-    let svg = '<svg viewBox="0 0 ' + W + " " + (Hh + 22) + '" role="img" aria-label="First-token weight per layer">';
-    for (let g = 0; g <= 4; g++) {
-      const v = (ymax * g) / 4;
-      svg += '<line class="grid-line" x1="' + L + '" x2="' + (W - R) + '" y1="' + y(v) + '" y2="' + y(v) + '"/>';
-      svg += '<text x="' + (L - 6) + '" y="' + (y(v) + 4) + '" text-anchor="end">' + v.toFixed(2) + "</text>";
-    }
-    svg += '<line class="axis" x1="' + L + '" x2="' + (W - R) + '" y1="' + y(0) + '" y2="' + y(0) + '"/>';
-    const every = Math.max(1, Math.ceil(xs.length / 15));
-    xs.forEach((l, k) => {
-      if (k % every === 0 || k === xs.length - 1) svg += '<text x="' + x(k) + '" y="' + (Hh - B + 16) + '" text-anchor="middle">' + l + "</text>";
+    const layers = META.layers.map(String);
+    cwChart($("cw-chart"), META.first_token_weight, Number(state.layer), esc, (l) => {
+      if (layers.includes(l)) {
+        $("cw-layer").value = l;
+        state.layer = l;
+        render();
+      } else {
+        $("cw-status").textContent = "layer " + l + " is not embedded in this report";
+      }
     });
-    svg += '<text x="' + (L + (W - L - R) / 2) + '" y="' + (Hh - 2) + '" text-anchor="middle">layer</text>';
-    const cur = xs.indexOf(Number(state.layer));
-    if (cur >= 0) svg += '<line class="cursor" x1="' + x(cur) + '" x2="' + x(cur) + '" y1="' + Tp + '" y2="' + y(0) + '"/>';
-    names.forEach((n, s) => {
-      const col = PALETTE[s % PALETTE.length];
-      const pts = data.series[n].map((v, k) => (v === null ? null : x(k) + "," + y(v))).filter(Boolean);
-      svg += '<polyline class="series" stroke="' + col + '" points="' + pts.join(" ") + '"/>';
-      data.series[n].forEach((v, k) => {
-        if (v === null) return;
-        svg += '<circle class="pt" data-layer="' + xs[k] + '" cx="' + x(k) + '" cy="' + y(v) + '" r="3" fill="' + col +
-          '"><title>' + esc(n) + " · layer " + xs[k] + ": " + v.toFixed(4) + "</title></circle>";
-      });
-      const lx = L + 8 + (s % 4) * 128, ly = Hh + 16 + Math.floor(s / 4) * 14;
-      svg += '<g class="legend-item"><rect x="' + lx + '" y="' + (ly - 8) + '" width="12" height="4" fill="' + col +
-        '"/><text x="' + (lx + 16) + '" y="' + (ly - 3) + '">' + esc(n) + "</text></g>";
-    });
-    const rows = Math.ceil(names.length / 4);
-    svg = svg.replace('viewBox="0 0 ' + W + " " + (Hh + 22) + '"', 'viewBox="0 0 ' + W + " " + (Hh + 14 + rows * 14) + '"');
-    box.innerHTML = svg + "</svg>";
-    box.querySelectorAll(".pt").forEach((pt) =>
-      pt.addEventListener("click", () => {
-        const l = pt.dataset.layer;
-        if (META.layers.map(String).includes(l)) {
-          $("cw-layer").value = l;
-          state.layer = l;
-          render();
-        } else {
-          $("cw-status").textContent = "layer " + l + " is not embedded in this report";
-        }
-      }),
-    );
   }
 
   function renderSummary() {
