@@ -87,7 +87,7 @@ class Trace:
 
     def first_token_weight(self, name: str) -> Tensor:
         """``(L,)``: per-layer first-token weight of the normalised measure."""
-        return aggregates.first_token_weight(self.normalised(name))
+        return aggregates.first_token_weight_of(self[name], name)
 
     def entropy(self, name: str, exclude_first: bool = False) -> float:
         """Mean over layers and heads of the per-query entropy (paper Table 5)."""

@@ -38,17 +38,31 @@ def first_token_weight(w_normalised: Float[Tensor, "*lead h i t"]) -> Float[Tens
     return w_normalised[..., 0].sum(dim=-2).mean(dim=-1)
 
 
+def first_token_weight_of(w: Float[Tensor, "*lead h i t"], measure: str) -> Float[Tensor, "*lead"]:
+    """:func:`first_token_weight` of ``normalised(w, measure)`` without normalising every key.
+
+    The registry's normalisations scale each query by a factor computed from sums over
+    (head, key), so folding the keys j ≥ 1 into one column leaves column 0 unchanged.
+    """
+    folded = torch.stack([w[..., 0], w[..., 1:].sum(-1)], dim=-1)
+    return first_token_weight(normalised(folded, measure))
+
+
 def entropy(
     w: Float[Tensor, "*lead h i t"], exclude_first: bool = False
 ) -> Float[Tensor, "*lead h"]:
     """``(..., H)``: per head, mean over queries of −Σ_j c̄_ij log c̄_ij, c̄ = |w|/Σ_k|w|.
 
     With ``exclude_first`` token 0 is dropped as a key (weights renormalised over j ≥ 1)
-    and query 0, which then has no key, is dropped too.
+    and query 0, which then has no key, is dropped too. Computed in one pass as
+    log S − (Σ_j a_j log a_j)/S with a = |w| and S = Σ_j a_j (0 for an all-zero row).
     """
     a = w.abs()
     if exclude_first:
         a = a[..., 1:, 1:]
-    p = safe_div(a, a.sum(-1, keepdim=True))
-    plogp = torch.where(p > 0, p * torch.log(torch.where(p > 0, p, torch.ones_like(p))), 0.0)
-    return (-plogp.sum(-1)).mean(-1)
+    total = a.sum(-1)
+    a_log_a = torch.xlogy(a, a).sum(-1)
+    ok = total > 0
+    safe_total = torch.where(ok, total, torch.ones_like(total))
+    row = torch.where(ok, torch.log(safe_total) - a_log_a / safe_total, torch.zeros_like(total))
+    return row.clamp_min(0).mean(-1)
