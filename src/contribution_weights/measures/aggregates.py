@@ -12,7 +12,6 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from .layer import safe_div
 from .registry import get_measure
 
 
