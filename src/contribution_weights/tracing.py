@@ -65,6 +65,7 @@ class TraceRecorder:
     degenerate: Tensor | None = None
     degenerate_heads: Tensor | None = None
     zero_values: Tensor | None = None
+    progress: Any = None  # a tqdm bar advanced once per finished traced layer
 
     def __post_init__(self) -> None:
         self._position = {layer: pos for pos, layer in enumerate(self.layers)}
@@ -94,6 +95,8 @@ class TraceRecorder:
         self.degenerate[pos, rows] = lt.degenerate[0]
         self.degenerate_heads[pos, :, rows] = lt.degenerate_heads[0]
         self.zero_values[pos] = lt.zero_values[0]
+        if self.progress is not None and rows.stop == call.q_len:
+            self.progress.update(1)
 
 
 def resolve_layers(layers: Sequence[int] | None, num_layers: int) -> list[int]:
@@ -153,11 +156,13 @@ def trace(
     truncate: bool = False,
     compute_dtype: str | torch.dtype = "float32",
     block_bytes: int = DEFAULT_BLOCK_BYTES,
+    progress: bool | None = None,
 ) -> Any:
     """Trace a text, token ids, or a list of texts (then a list of traces is returned).
 
     Returns a :class:`~.results.Trace` whose tensors are ``(len(layers), H, T, T)`` in
-    the compute dtype. See :class:`TraceOptions` for the arguments.
+    the compute dtype. See :class:`TraceOptions` for the arguments; ``progress`` shows a
+    bar over layers (default: for sequences of 512 tokens or more).
     """
     if isinstance(inputs, (list, tuple)) and inputs and isinstance(inputs[0], str):
         kwargs = dict(
@@ -167,6 +172,7 @@ def trace(
             truncate=truncate,
             compute_dtype=compute_dtype,
             block_bytes=block_bytes,
+            progress=False,
         )
         from tqdm.auto import tqdm
 
@@ -185,9 +191,20 @@ def trace(
     layer_list = resolve_layers(layers, model.num_layers)
     ids = encode(model, inputs, max_tokens, truncate)  # type: ignore[arg-type]
     recorder = TraceRecorder(names, layer_list, ids.numel(), dtype)
-    with torch.no_grad(), capturing(model.model, [recorder], block_bytes=block_bytes) as session:
-        model.model(input_ids=ids[None].to(model.device), use_cache=False)
-        check_all_layers_seen(session, model.num_layers)
+    from tqdm.auto import tqdm
+
+    show = ids.numel() >= 512 if progress is None else progress
+    bar = tqdm(total=len(layer_list), desc="trace", unit="layer", disable=not show, leave=False)
+    recorder.progress = bar
+    try:
+        with (
+            torch.no_grad(),
+            capturing(model.model, [recorder], block_bytes=block_bytes) as session,
+        ):
+            model.model(input_ids=ids[None].to(model.device), use_cache=False)
+            check_all_layers_seen(session, model.num_layers)
+    finally:
+        bar.close()
     assert recorder.bias_share is not None and recorder.degenerate is not None
     assert recorder.degenerate_heads is not None and recorder.zero_values is not None
     return Trace(
