@@ -168,7 +168,7 @@ def plot_semantic_cone(
             "",
             xy=(sink[0], sink[1]),
             xytext=(0, 0),
-            arrowprops={"color": "tab:orange", "width": 1.5},
+            arrowprops={"color": "tab:orange", "width": 1.2, "headwidth": 5, "headlength": 5},
         )
         ax.set(xlabel="⟨o, μ̂⟩", title=name, xlim=(-reach, reach), ylim=(-reach, reach))
     axes[0].set_ylabel("⟨o, û⟩")
