@@ -70,9 +70,9 @@ class BlockView:
         ok = self.lt.valid[0] & ~self.lt.degenerate[0][:, None]
         return ok.expand_as(self.alpha)
 
-    @cached_property
-    def projected_values(self) -> Tensor:  # (H, T, d): ṽ_j^(h)
-        return torch.einsum("htd,hed->hte", self.lt.head_values[0], self.lt.w_o)
+    @property
+    def projected_values(self) -> Tensor:  # (H, T, d): ṽ_j^(h), cached by LayerTensors
+        return self.lt.projected_values[0]
 
     @cached_property
     def query_index(self) -> Tensor:  # (I,) positions of the block's queries
