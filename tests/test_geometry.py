@@ -406,3 +406,15 @@ def test_math_is_finite_on_one_token():
     assert all(
         not (isinstance(v, float) and math.isnan(v)) for v in js["first_token_weight"].values()
     )
+
+
+def test_sink_layers_are_resolved_like_trace_layers():
+    def resolved(layers: list[int]) -> list[int]:
+        acc = GeometryAccumulator(4, 2, ["sink_scaling"], GeometryOptions(sink_layers=layers))
+        return acc.resolve_sink_layers()
+
+    assert resolved([-1, 0, 3]) == [0, 3]
+    with pytest.raises(ValueError, match="out of range"):
+        resolved([4])
+    with pytest.raises(ValueError, match="out of range"):
+        resolved([-5])

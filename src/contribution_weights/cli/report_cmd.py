@@ -86,8 +86,11 @@ def run(args: argparse.Namespace) -> int:
         result = Trace.load(args.trace)
         layers = args.layers
         if layers is not None:
-            total = int(result.meta.get("num_layers", 0)) or None
-            layers = [x + total if x < 0 and total else x for x in layers]
+            total = int(result.meta.get("num_layers", 0))
+            if total:  # else write_report names the traced layers for a bad index
+                from ..tracing import resolve_layers
+
+                layers = resolve_layers(layers, total)
     else:
         from ..loading import load_model
         from ..tracing import trace

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from ..capture import LayerCall, capturing, check_all_layers_seen
 from ..loading import LoadedModel
-from ..tracing import encode
+from ..tracing import encode, resolve_layers
 from .geometry_result import GeometryResult, SinkScalingResult, build_result
 from .sinks import NormFit, SemanticCone, detect_sink_layers, sink_scaling_nll
 from .stats import (
@@ -184,11 +184,7 @@ class GeometryAccumulator:
     def resolve_sink_layers(self) -> list[int]:
         """The given sink layers, or those detected from the mean α_i0 seen so far."""
         if self.options.sink_layers is not None:
-            layers = [x + self.num_layers if x < 0 else x for x in self.options.sink_layers]
-            bad = [x for x in layers if not 0 <= x < self.num_layers]
-            if bad:
-                raise ValueError(f"sink layers {bad} out of range 0..{self.num_layers - 1}")
-            self.sink_layers = sorted(set(layers))
+            self.sink_layers = resolve_layers(list(self.options.sink_layers), self.num_layers)
         elif self.sink_layers is None:
             rate = self.stats["sink_rate"]
             assert isinstance(rate, SinkRate)
