@@ -418,3 +418,22 @@ def test_sink_layers_are_resolved_like_trace_layers():
         resolved([4])
     with pytest.raises(ValueError, match="out of range"):
         resolved([-5])
+
+
+def test_statistics_do_not_depend_on_query_blocks(monkeypatch):
+    import functools
+
+    from contribution_weights.experiments import geometry as geometry_module
+
+    lm = tiny_model("llama")
+    names = ["first_token_weight", "entropy", "sink_alignment", "correlations"]
+    opts = GeometryOptions(max_tokens=None, cap=10**6)
+    whole = analyse(lm, TEXTS, names, opts)
+    small = functools.partial(geometry_module.capturing, block_bytes=1)  # one query per block
+    monkeypatch.setattr(geometry_module, "capturing", small)
+    blocks = analyse(lm, TEXTS, names, opts)
+    for table in ("first_token_weight_by_layer", "entropy_by_layer", "sink_alignment"):
+        np.testing.assert_allclose(
+            getattr(blocks, table), getattr(whole, table), rtol=RTOL, atol=ATOL
+        )
+    np.testing.assert_allclose(blocks.correlations, whole.correlations, rtol=1e-6)

@@ -21,7 +21,9 @@ import torch
 from torch import Tensor
 
 from ..measures import layer as M
+from ..measures.aggregates import entropy, first_token_weight_of
 from ..measures.layer import LayerTensors, safe_div
+from ..measures.registry import get_measure
 from .streaming import Moments, Reservoir
 
 WEIGHT_MEASURES = ("attention", "vw", "contribution")
@@ -39,6 +41,7 @@ class BlockView:
     lt: LayerTensors
     num_tokens: int
     scratch: dict[str, Any] = field(default_factory=dict)  # per layer and sequence
+    _weights: dict[str, Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def first_block(self) -> bool:
@@ -48,9 +51,15 @@ class BlockView:
     def alpha(self) -> Tensor:  # (H, I, T)
         return self.lt.probs[0]
 
-    @cached_property
+    def weight(self, measure: str) -> Tensor:
+        """``(H, I, T)``: a registered measure of this block (computed once per block)."""
+        if measure not in self._weights:
+            self._weights[measure] = get_measure(measure).compute(self.lt)[0]
+        return self._weights[measure]
+
+    @property
     def contribution(self) -> Tensor:
-        return M.contribution(self.lt)[0]
+        return self.weight("contribution")
 
     @cached_property
     def r(self) -> Tensor:
@@ -134,50 +143,41 @@ class LayerMeans(Stat):
 
 
 class FirstTokenWeight(LayerMeans):
-    """Table 4: E[w_0^(l)] = (1/T) Σ_i Σ_h w_i0 with normalised weights (SPEC §3)."""
+    """Table 4: E[w_0^(l)] = (1/T) Σ_i Σ_h w_i0 with the registry's normalised weights
+    (SPEC §3), via :func:`~..measures.aggregates.first_token_weight_of` per block."""
 
     columns = WEIGHT_MEASURES
 
     def observe(self, view: BlockView) -> None:
-        h = view.alpha.shape[0]
-        vw = view.alpha * view.value_norm[:, None, :]
-        vw_total = vw.sum(dim=(0, 2))  # (I,)
-        sums = (
-            float(view.alpha[:, :, 0].sum()) / h,
-            float(safe_div(vw[:, :, 0].sum(0), vw_total).sum()),
-            float(view.contribution[:, :, 0].sum()),
-        )
-        self._seq[view.layer] += sums
-        self._seq_n[view.layer] += view.alpha.shape[1]
-
-
-def head_entropy(w: Tensor) -> Tensor:
-    """``(H, I)``: −Σ_j c̄_ij log c̄_ij with c̄ = |w| / Σ_k |w| per head and query."""
-    a = w.abs()
-    p = safe_div(a, a.sum(-1, keepdim=True))
-    safe = torch.where(p > 0, p, torch.ones_like(p))
-    return -(p * torch.log(safe)).sum(-1)
+        queries = view.alpha.shape[1]
+        for k, measure in enumerate(WEIGHT_MEASURES):
+            mean = first_token_weight_of(view.weight(measure), measure)  # over the block
+            self._seq[view.layer, k] += float(mean) * queries
+        self._seq_n[view.layer] += queries
 
 
 class Entropy(LayerMeans):
-    """Table 5: mean over heads and queries of the entropy, with and without token 0."""
+    """Table 5: mean over heads and queries of the entropy, with and without token 0.
+
+    Uses :func:`~..measures.aggregates.entropy` per block; without token 0, query 0 is
+    dropped too (it has no other key), which only the block starting at query 0 holds.
+    """
 
     columns = tuple(f"{m}:{v}" for v in ("all", "excluding_first") for m in WEIGHT_MEASURES)
 
     def observe(self, view: BlockView) -> None:
-        weights = (view.alpha, view.alpha * view.value_norm[:, None, :], view.contribution)
-        later = view.query_index >= 1
-        n_all = view.alpha.shape[0] * view.alpha.shape[1]
-        n_later = view.alpha.shape[0] * int(later.sum())
+        h, queries = view.alpha.shape[:2]
+        later = queries - 1 if view.first_block else queries  # queries i ≥ 1
         valid = view.lt.valid[0].expand_as(view.alpha)
-        for k, w in enumerate(weights):
+        for k, measure in enumerate(WEIGHT_MEASURES):
+            w = view.weight(measure)
             w = torch.where(valid, w, torch.zeros((), dtype=w.dtype))
-            self._seq[view.layer, k] += float(head_entropy(w).sum())
-            self._seq_n[view.layer, k] += n_all
-            if n_later:
-                excl = head_entropy(w[:, later, 1:]).sum()
-                self._seq[view.layer, k + len(WEIGHT_MEASURES)] += float(excl)
-                self._seq_n[view.layer, k + len(WEIGHT_MEASURES)] += n_later
+            self._seq[view.layer, k] += float(entropy(w).sum()) * queries
+            self._seq_n[view.layer, k] += h * queries
+            if later:
+                excl = entropy(w, exclude_first=True) if view.first_block else entropy(w[..., 1:])
+                self._seq[view.layer, k + len(WEIGHT_MEASURES)] += float(excl.sum()) * later
+                self._seq_n[view.layer, k + len(WEIGHT_MEASURES)] += h * later
 
 
 class SinkRate(LayerMeans):
