@@ -53,6 +53,25 @@ def test_interrupted_run_resumes_to_the_same_tables(tmp_path, monkeypatch):
     assert set(tables["entropy"]) == {"all", "excluding_first"}
 
 
+def test_every_output_file_is_replaced_atomically(tmp_path, monkeypatch):
+    from contribution_weights.runs import RunFolder
+
+    written: list[str] = []
+    real_write = RunFolder.write_bytes
+
+    def spy(self, name, data):
+        written.append(name)
+        return real_write(self, name, data)
+
+    monkeypatch.setattr(RunFolder, "write_bytes", spy)
+    geometry_run.run_geometry(
+        tiny_model("llama"), TEXTS[:1], tmp_path, options=OPTS, progress=False
+    )
+    outputs = {"state.pt", "tables.json", "per_layer.csv", "norm_fit.csv", "meta.json"}
+    assert outputs <= set(written)
+    assert {p.name for p in tmp_path.iterdir()} == outputs | {"config.json"}  # no *.tmp left
+
+
 def test_figures_and_markdown(tmp_path):
     lm = tiny_model("qwen2")
     res = geometry_run.run_geometry(lm, TEXTS, tmp_path, options=OPTS, progress=False)

@@ -98,9 +98,16 @@ class RunFolder:
 
     def write_json(self, name: str, data: Any) -> Path:
         """Write a JSON file atomically (write to a temporary file, then rename)."""
+        return self.write_bytes(name, json.dumps(data, indent=2).encode())
+
+    def write_bytes(self, name: str, data: bytes) -> Path:
+        """Replace a file atomically and durably (temporary file, fsync, rename)."""
         target = self.file(name)
         tmp = target.with_name(target.name + ".tmp")
-        tmp.write_text(json.dumps(data, indent=2))
+        with tmp.open("wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
         os.replace(tmp, target)
         return target
 

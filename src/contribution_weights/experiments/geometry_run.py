@@ -14,12 +14,12 @@ presentation layer's job.
 from __future__ import annotations
 
 import hashlib
-import json
-import os
+import io
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
@@ -40,12 +40,9 @@ def texts_fingerprint(texts: Sequence[str]) -> str:
 
 
 def save_state(folder: RunFolder, acc: GeometryAccumulator) -> None:
-    target = folder.file(STATE_FILE)
-    tmp = target.with_name(target.name + ".tmp")
-    torch.save(acc.state_dict(), tmp)
-    with tmp.open("rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, target)
+    buffer = io.BytesIO()
+    torch.save(acc.state_dict(), buffer)
+    folder.write_bytes(STATE_FILE, buffer.getvalue())
 
 
 def load_state(folder: RunFolder, acc: GeometryAccumulator) -> None:
@@ -101,16 +98,16 @@ def run_geometry(
             save_state(folder, acc)
     result = acc.result()
     write_tables(
-        folder.path, result, meta={"model": model.name, "tokens": [int(x.numel()) for x in ids]}
+        folder, result, meta={"model": model.name, "tokens": [int(x.numel()) for x in ids]}
     )
     return result
 
 
-def write_tables(out: Path, result: GeometryResult, meta: dict[str, Any] | None = None) -> None:
-    """``tables.json`` plus CSV files of the per-layer and per-head tables."""
-    tmp = out / "tables.json.tmp"
-    tmp.write_text(json.dumps(result.to_json(), indent=2))
-    os.replace(tmp, out / "tables.json")
+def write_tables(
+    folder: RunFolder, result: GeometryResult, meta: dict[str, Any] | None = None
+) -> None:
+    """``tables.json`` plus CSV files of the per-layer and per-head tables (each atomic)."""
+    folder.write_json("tables.json", result.to_json())
     per_layer = [result.sink_rate]
     if result.first_token_weight_by_layer is not None:
         per_layer.append(result.first_token_weight_by_layer.add_prefix("first_token_weight:"))
@@ -118,11 +115,10 @@ def write_tables(out: Path, result: GeometryResult, meta: dict[str, Any] | None 
         per_layer.append(result.entropy_by_layer.add_prefix("entropy:"))
     if result.sink_alignment is not None:
         per_layer.append(result.sink_alignment)
-    import pandas as pd
-
-    pd.concat(per_layer, axis=1).to_csv(out / "per_layer.csv")
+    folder.write_bytes("per_layer.csv", pd.concat(per_layer, axis=1).to_csv().encode())
     if result.norm_fit is not None:
-        result.norm_fit.to_csv(out / "norm_fit.csv", index=False)
+        folder.write_bytes("norm_fit.csv", result.norm_fit.to_csv(index=False).encode())
     if meta is not None:
-        info = {"sequences": result.sequences, "points": result.points, **meta}
-        (out / "meta.json").write_text(json.dumps(info, indent=2))
+        folder.write_json(
+            "meta.json", {"sequences": result.sequences, "points": result.points, **meta}
+        )
