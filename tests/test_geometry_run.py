@@ -72,6 +72,24 @@ def test_every_output_file_is_replaced_atomically(tmp_path, monkeypatch):
     assert {p.name for p in tmp_path.iterdir()} == outputs | {"config.json"}  # no *.tmp left
 
 
+class _Unsafe:
+    """A pickled object: loading state.pt must never run code from the run folder."""
+
+
+def test_state_loads_with_weights_only_and_refuses_pickled_objects(tmp_path):
+    import torch
+
+    lm = tiny_model("llama")
+    geometry_run.run_geometry(lm, TEXTS[:2], tmp_path, options=OPTS, progress=False)
+    state = torch.load(tmp_path / "state.pt", weights_only=True)
+    assert state["sequences"] == 2
+    torch.save({"sequences": 2, "payload": _Unsafe()}, tmp_path / "state.pt")
+    with pytest.raises(RunFolderError, match=r"delete state\.pt"):
+        geometry_run.run_geometry(
+            lm, TEXTS[:2], tmp_path, options=OPTS, resume=True, progress=False
+        )
+
+
 def test_figures_and_markdown(tmp_path):
     lm = tiny_model("qwen2")
     res = geometry_run.run_geometry(lm, TEXTS, tmp_path, options=OPTS, progress=False)

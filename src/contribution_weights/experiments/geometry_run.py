@@ -19,12 +19,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
 from ..loading import LoadedModel
-from ..runs import RunFolder
+from ..runs import RunFolder, RunFolderError
 from .geometry import GeometryAccumulator, GeometryOptions, encode_texts, resolve_analyses
 from .geometry_result import GeometryResult
 
@@ -39,16 +40,54 @@ def texts_fingerprint(texts: Sequence[str]) -> str:
     return digest.hexdigest()[:16]
 
 
+_NDARRAY = "__ndarray__"
+
+
+def _plain(obj: Any) -> Any:
+    """The state with NumPy arrays as tagged tensors and NumPy scalars as Python numbers:
+    only tensors, dicts, lists, tuples, strings and numbers, which
+    ``torch.load(weights_only=True)`` reads without running any pickled code."""
+    if isinstance(obj, np.ndarray):
+        return {_NDARRAY: torch.from_numpy(np.ascontiguousarray(obj))}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_plain(v) for v in obj)
+    return obj
+
+
+def _restored(obj: Any) -> Any:
+    """Inverse of :func:`_plain`."""
+    if isinstance(obj, dict):
+        if set(obj) == {_NDARRAY}:
+            return obj[_NDARRAY].numpy()
+        return {k: _restored(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_restored(v) for v in obj)
+    return obj
+
+
 def save_state(folder: RunFolder, acc: GeometryAccumulator) -> None:
     buffer = io.BytesIO()
-    torch.save(acc.state_dict(), buffer)
+    torch.save(_plain(acc.state_dict()), buffer)
     folder.write_bytes(STATE_FILE, buffer.getvalue())
 
 
 def load_state(folder: RunFolder, acc: GeometryAccumulator) -> None:
     target = folder.file(STATE_FILE)
-    if target.exists():
-        acc.load_state_dict(torch.load(target, weights_only=False))
+    if not target.exists():
+        return
+    try:
+        state = torch.load(target, weights_only=True)
+    except Exception as exc:  # anything but tensors and plain containers is refused
+        raise RunFolderError(
+            f"cannot resume from {target}: it is not a state this version wrote "
+            f"({type(exc).__name__}); delete {STATE_FILE} to restart the run from its first "
+            "sequence, or choose another --out folder"
+        ) from exc
+    acc.load_state_dict(_restored(state))
 
 
 def run_geometry(
