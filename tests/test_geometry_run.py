@@ -90,6 +90,31 @@ def test_state_loads_with_weights_only_and_refuses_pickled_objects(tmp_path):
         )
 
 
+def test_no_sink_layer_skips_the_scaling_passes_and_says_so(tmp_path, monkeypatch):
+    from contribution_weights.experiments import geometry
+    from contribution_weights.experiments.geometry import NoSinkLayersWarning
+
+    def no_pass(*args, **kwargs):
+        raise AssertionError("sink-scaling forward passes ran without sink layers")
+
+    monkeypatch.setattr(geometry, "sink_scaling_nll", no_pass)
+    lm = tiny_model("llama")
+    opts = GeometryOptions(max_tokens=None, cap=500, gammas=(1.0, 0.0), sink_threshold=1.0)
+    with pytest.warns(NoSinkLayersWarning, match="--sink-threshold"):
+        res = geometry_run.run_geometry(
+            lm, TEXTS, tmp_path, ["sink_scaling", "entropy"], opts, progress=False
+        )
+    scaling = json.loads((tmp_path / "tables.json").read_text())["sink_scaling"]
+    assert scaling["layers"] == [] and scaling["by_gamma"] == []
+    assert "no layer has mean α_i0 above the sink threshold 1.0" in scaling["skipped"]
+    assert "Not run: no layer" in write_markdown(res, tmp_path / "tables.md", "tiny")
+    assert "geometry-sink_scaling.png" not in {p.name for p in write_figures(res, tmp_path)}
+    with pytest.warns(NoSinkLayersWarning, match="given sink layers are empty"):
+        empty = GeometryOptions(max_tokens=None, gammas=(1.0, 0.0), sink_layers=[])
+        res = geometry.analyse(lm, TEXTS[:1], ["sink_scaling"], empty)
+    assert res.sink_scaling is not None and res.sink_scaling.table.empty
+
+
 def test_figures_and_markdown(tmp_path):
     lm = tiny_model("qwen2")
     res = geometry_run.run_geometry(lm, TEXTS, tmp_path, options=OPTS, progress=False)

@@ -23,10 +23,12 @@ run folder on top (:mod:`.geometry_run`).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import torch
 from torch import Tensor
@@ -59,6 +61,10 @@ ANALYSES = (
     "joint_distributions",
 )
 DEFAULT_GAMMAS = (1.0, 0.8, 0.6, 0.4, 0.2, 0.0)
+
+
+class NoSinkLayersWarning(UserWarning):
+    """No sink layer was found, so the sink-value scaling passes were skipped."""
 
 
 @dataclass
@@ -148,6 +154,7 @@ class GeometryAccumulator:
         self.sequences = 0
         self.scaling_nll: list[list[float]] = []  # per sequence, one NLL per γ
         self.sink_layers: list[int] | None = None
+        self.scaling_skipped: str | None = None  # why the sink-scaling passes did not run
         self._tokens = 0
         self._scratch: dict[int, dict[str, Any]] = {}
 
@@ -193,6 +200,32 @@ class GeometryAccumulator:
             )
         return self.sink_layers
 
+    def plan_scaling(self) -> bool:
+        """Fix the sink layers; with none, warn, record why and return False (no passes).
+
+        Scaling v_0 in no layer changes nothing: the passes would cost full forwards per
+        sequence and γ for a flat curve.
+        """
+        if self.resolve_sink_layers():
+            self.scaling_skipped = None
+            return True
+        if self.options.sink_layers is not None:
+            self.scaling_skipped = "the given sink layers are empty"
+        else:
+            rate = self.stats["sink_rate"]
+            assert isinstance(rate, SinkRate)
+            by_layer = rate.by_layer()[:, 0]
+            top = int(np.nanargmax(by_layer)) if np.isfinite(by_layer).any() else None
+            highest = "" if top is None else f" (highest {by_layer[top]:.3f}, layer {top})"
+            self.scaling_skipped = (
+                "no layer has mean α_i0 above the sink threshold "
+                f"{self.options.sink_threshold}{highest}; pass --sink-layers "
+                "(GeometryOptions.sink_layers) or a lower --sink-threshold to scale v_0 anyway"
+            )
+        message = f"sink-value scaling skipped: {self.scaling_skipped}"
+        warnings.warn(message, NoSinkLayersWarning, stacklevel=2)
+        return False
+
     def add_scaling(self, model: LoadedModel, ids: Tensor) -> None:
         """The sink-value scaling passes of one sequence (after sink layers are fixed)."""
         layers = self.resolve_sink_layers()
@@ -210,6 +243,7 @@ class GeometryAccumulator:
             "sequences": self.sequences,
             "scaling_nll": self.scaling_nll,
             "sink_layers": self.sink_layers,
+            "scaling_skipped": self.scaling_skipped,
             "stats": {k: s.state_dict() for k, s in self.stats.items()},
         }
 
@@ -217,6 +251,7 @@ class GeometryAccumulator:
         self.sequences = int(state["sequences"])
         self.scaling_nll = [list(x) for x in state["scaling_nll"]]
         self.sink_layers = state["sink_layers"]
+        self.scaling_skipped = state.get("scaling_skipped")
         for key, stat in self.stats.items():
             stat.load_state_dict(state["stats"][key])
 
@@ -244,7 +279,7 @@ def analyse(
     ids = encode_texts(model, texts, options.max_tokens)
     for seq in tqdm(ids, desc="geometry", disable=not progress):
         acc.add_sequence(model, seq)
-    if "sink_scaling" in names:
+    if "sink_scaling" in names and acc.plan_scaling():
         for seq in tqdm(ids, desc="sink scaling", disable=not progress):
             acc.add_scaling(model, seq)
     return acc.result()
@@ -328,6 +363,7 @@ __all__ = [
     "GeometryAccumulator",
     "GeometryOptions",
     "GeometryResult",
+    "NoSinkLayersWarning",
     "analyse",
     "component_regression",
     "entropy",

@@ -33,6 +33,7 @@ JSON_KEYS = (
     "norm_fit",
     "semantic_cone",
 )
+SCALING_COLUMNS = ("gamma", "ppl_mean", "ppl_se", "nll_mean", "nll_se", "ppl_of_mean_nll", "n")
 
 
 @dataclass
@@ -41,9 +42,10 @@ class SinkScalingResult:
 
     layers: list[int]
     table: pd.DataFrame  # gamma, ppl_mean, ppl_se, nll_mean, nll_se, ppl_of_mean_nll, n
+    skipped: str | None = None  # why the passes did not run (no sink layer); table empty
 
     def to_json(self) -> dict[str, Any]:
-        return {"layers": self.layers, "by_gamma": _records(self.table)}
+        return {"layers": self.layers, "by_gamma": _records(self.table), "skipped": self.skipped}
 
 
 @dataclass
@@ -192,7 +194,10 @@ def build_result(acc: GeometryAccumulator) -> GeometryResult:
     align = s.get("sink_alignment")
     if isinstance(align, SinkAlignment):
         res.sink_alignment = pd.DataFrame(align.by_layer(), layers, list(align.columns))
-    if "sink_scaling" in acc.analyses and acc.scaling_nll:  # NaN rows: too short
+    if "sink_scaling" in acc.analyses and acc.scaling_skipped:
+        empty = pd.DataFrame(columns=[*SCALING_COLUMNS])
+        res.sink_scaling = SinkScalingResult([], empty, acc.scaling_skipped)
+    elif "sink_scaling" in acc.analyses and acc.scaling_nll:  # NaN rows: too short
         res.sink_scaling = _scaling(
             acc.sink_layers or [], list(o.gammas), np.array(acc.scaling_nll)
         )

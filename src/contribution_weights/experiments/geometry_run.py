@@ -124,7 +124,7 @@ def run_geometry(
     ):
         acc.add_sequence(model, ids[k])
         save_state(folder, acc)
-    if "sink_scaling" in names:
+    if "sink_scaling" in names and acc.plan_scaling():
         done = len(acc.scaling_nll)
         for k in tqdm(
             range(done, len(ids)),

@@ -210,7 +210,7 @@ def write_figures(
         )
     if result.sink_alignment is not None:
         figs["sink_alignment"] = plot_sink_alignment(result.sink_alignment, title)
-    if result.sink_scaling is not None:
+    if result.sink_scaling is not None and not result.sink_scaling.skipped:
         figs["sink_scaling"] = plot_sink_scaling(
             result.sink_scaling.table, result.sink_scaling.layers, title
         )
@@ -281,7 +281,10 @@ def markdown_tables(result: GeometryResult, title: str = "") -> str:
     if result.sink_scaling is not None:
         layers = result.sink_scaling.layers
         parts += ["## Sink-value scaling (Figure 6c)", f"Sink layers: {layers}.", ""]
-        parts += [_fmt(result.sink_scaling.table, index=False), ""]
+        if result.sink_scaling.skipped:
+            parts += [f"Not run: {result.sink_scaling.skipped}.", ""]
+        else:
+            parts += [_fmt(result.sink_scaling.table, index=False), ""]
     if result.norm_fit is not None:
         summ = norm_fit_summary(result.norm_fit)
         parts += ["## Output norm vs sink attention (§6.2)", "", _fmt(pd.DataFrame([summ])), ""]
