@@ -121,10 +121,13 @@ def naive_contributions(model, ids):
     return result
 
 
-def worker(method: str, length: int, repeats: int) -> dict:
+def worker(method: str, length: int, repeats: int, threads: int) -> dict:
     import torch
 
     import contribution_weights as cw
+
+    if threads > 0:
+        torch.set_num_threads(threads)
 
     model = cw.load_model()
     if method in ("eager", "naive"):
@@ -164,9 +167,11 @@ def worker(method: str, length: int, repeats: int) -> dict:
     }
 
 
-def run_worker_process(method: str, length: int, repeats: int, mem_limit_gb: float) -> dict:
+def run_worker_process(
+    method: str, length: int, repeats: int, mem_limit_gb: float, threads: int
+) -> dict:
     cmd = [sys.executable, __file__, "--worker", method, str(length), str(repeats)]
-    cmd += ["--mem-limit-gb", str(mem_limit_gb)]
+    cmd += ["--mem-limit-gb", str(mem_limit_gb), "--threads", str(threads)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode == 0 and lines:
@@ -207,6 +212,9 @@ def main() -> int:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--repeats", type=int, default=3, help="runs per point at T <= 512")
     parser.add_argument("--mem-limit-gb", type=float, default=20.0)
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch threads per run (0: torch's default)"
+    )
     parser.add_argument("--out", type=Path, default=Path("bench-out"))
     args = parser.parse_args()
     if args.worker:
@@ -215,18 +223,22 @@ def main() -> int:
         limit = int(args.mem_limit_gb * 2**30)
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
         method, length, repeats = args.worker
-        print(json.dumps(worker(method, int(length), int(repeats))))
+        print(json.dumps(worker(method, int(length), int(repeats), args.threads)))
         return 0
     results = []
     for length in [int(x) for x in args.lengths.split(",")]:
         repeats = args.repeats if length <= 512 else 1
         for method in args.methods.split(","):
-            r = run_worker_process(method, length, repeats, args.mem_limit_gb)
+            r = run_worker_process(method, length, repeats, args.mem_limit_gb, args.threads)
             results.append(r)
             shown = f"{r['seconds']:.3f} s" if r["seconds"] is not None else r["error"]
             print(f"T={length:5d} {method:17s} {shown}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    machine = f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+    threads = args.threads or "default"
+    machine = (
+        f"{platform.machine()}, {os.cpu_count()} CPUs, torch threads: {threads}, "
+        f"Python {platform.python_version()}"
+    )
     (args.out / "bench_trace.json").write_text(
         json.dumps({"machine": machine, "results": results}, indent=2)
     )

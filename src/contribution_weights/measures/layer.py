@@ -36,7 +36,8 @@ from torch import Tensor
 def safe_div(num: Tensor, den: Tensor) -> Tensor:
     """``num / den`` where ``den > 0``, else 0."""
     ok = den > 0
-    return torch.where(ok, num / torch.where(ok, den, torch.ones_like(den)), torch.zeros_like(num))
+    quotient = num / torch.where(ok, den, torch.ones_like(den))
+    return quotient.masked_fill_(~ok, 0)  # the mask broadcasts; no full-size zeros needed
 
 
 def split_output_weight(weight: Float[Tensor, "d hd"], num_heads: int) -> Float[Tensor, "h d dh"]:
