@@ -104,3 +104,16 @@ def test_smollm2_picks_the_obvious_option(smollm2):
         prompt, options = encode_item(smollm2, item)
         scores = option_scores(smollm2, prompt, options, [CLEAN])
         assert int(pick(scores)[0]) == item.answer, (item, scores)
+
+
+def test_resume_redoes_an_item_cut_mid_write(tmp_path):
+    lm = tiny_model("qwen3")
+    kw = dict(task="toy", measures=["attention", "ihc"], rates=[0.0, 0.5], progress=False)
+    first = downstream(lm, ITEMS, out=tmp_path / "d", **kw)
+    csv = tmp_path / "d" / "per_item.csv"
+    lines = csv.read_text().splitlines(keepends=True)
+    csv.write_text("".join(lines[:3]))  # header and 2 of item 0's 4 rows
+    resumed = downstream(lm, ITEMS, out=tmp_path / "d", resume=True, **kw)
+    assert (resumed.summary.n == len(ITEMS)).all()
+    assert sorted(resumed.per_item.item.tolist()) == sorted(first.per_item.item.tolist())
+    assert resumed.summary.accuracy.tolist() == first.summary.accuracy.tolist()

@@ -343,3 +343,22 @@ def test_rows_are_chunked_by_memory_and_halved_on_out_of_memory(monkeypatch):
     halved = token_logprobs(lm, ids, rm, batch_size=5)
     assert sizes == [5, 2, 2, 1]
     torch.testing.assert_close(halved, full, rtol=1e-5, atol=1e-6)
+
+
+def test_resume_redoes_a_sequence_cut_mid_write(tmp_path):
+    lm = tiny_model("gpt2")
+    texts = [TEXT, "a short one here"]
+    kw = dict(measures=["attention", "ihc"], rates=[0.1, 0.5], progress=False)
+    first = faithfulness(lm, texts, out=tmp_path / "run", **kw)
+    csv = tmp_path / "run" / "per_sequence.csv"
+    lines = csv.read_text().splitlines(keepends=True)
+    # header, 4 of sequence 0's 8 rows, then a half-written 5th row
+    csv.write_text("".join(lines[:5]) + lines[5][:7])
+    resumed = faithfulness(lm, texts, out=tmp_path / "run", resume=True, **kw)
+    assert (resumed.summary.n == 2).all()
+    assert sorted(resumed.per_sequence.seq.tolist()) == [0] * 8 + [1] * 8
+    torch.testing.assert_close(
+        torch.tensor(resumed.per_sequence.delta_nll.values),
+        torch.tensor(first.per_sequence.delta_nll.values),
+    )
+    assert len(csv.read_text().splitlines()) == 1 + 16

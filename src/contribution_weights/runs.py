@@ -2,9 +2,10 @@
 
 A run folder holds ``config.json`` (what was asked) and append-only CSV/JSONL files of
 finished units of work. Each finished unit is appended in one write followed by
-``fsync``, so an interrupted run keeps everything it finished; ``resume=True`` reads the
-keys already done and the experiment skips them. Resuming with a different config is
-refused, naming the keys that differ, so results never mix silently.
+``fsync``; a unit that needs several rows may still span more than one OS write, so on
+resume :meth:`RunFolder.complete_rows` keeps only the units with all their rows (dropping
+a partly written one, which is then redone) and the experiment skips those. Resuming
+with a different config is refused, naming the keys that differ, so results never mix silently.
 """
 
 from __future__ import annotations
@@ -95,6 +96,30 @@ class RunFolder:
         """Keys (as strings) of the rows already in a CSV file."""
         fields = list(key_fields)
         return {tuple(row[f] for f in fields) for row in self.read_rows(name)}
+
+    def complete_rows(
+        self, name: str, key_field: str, size: int
+    ) -> tuple[list[dict[str, str]], set[str]]:
+        """Rows of the units that wrote all their ``size`` rows, and those units' keys.
+
+        One unit's rows can take more than one OS write, so a crash can leave only some
+        of them: the CSV is rewritten (atomically) without such incomplete units, which
+        the experiment then redoes from scratch.
+        """
+        rows = self.read_rows(name)
+        counts: dict[str, int] = {}
+        for row in rows:
+            counts[row[key_field]] = counts.get(row[key_field], 0) + 1
+        done = {k for k, n in counts.items() if n == size}
+        kept = [row for row in rows if row[key_field] in done]
+        if len(kept) != len(rows):
+            buf = io.StringIO()
+            if kept:
+                writer = csv.DictWriter(buf, fieldnames=list(kept[0]), lineterminator="\n")
+                writer.writeheader()
+                writer.writerows(kept)
+            self.write_bytes(name, buf.getvalue().encode())
+        return kept, done
 
     def write_json(self, name: str, data: Any) -> Path:
         """Write a JSON file atomically (write to a temporary file, then rename)."""

@@ -149,8 +149,11 @@ def downstream(
         "n_items": len(items),
     }
     folder = RunFolder(out, config, resume=resume) if out is not None else None
-    done = {int(k[0]) for k in folder.done_keys(PER_ITEM, ["item"])} if folder else set()
-    records: list[dict[str, Any]] = list(folder.read_rows(PER_ITEM)) if folder else []
+    records: list[dict[str, Any]] = []
+    done: set[int] = set()
+    if folder is not None:  # an item is done only when all its rows were written
+        kept, keys = folder.complete_rows(PER_ITEM, "item", len(removals))
+        records, done = list(kept), {int(k) for k in keys}
     skipped = 0
     started = time.perf_counter()
     bar = tqdm(total=len(items), initial=len(done), desc=f"downstream {task}", unit="item",
@@ -195,6 +198,7 @@ def downstream(
         for col in ("item", "answer", "pick", "correct", "clean_pick", "clean_correct"):
             frame[col] = frame[col].astype(int)
         frame["rate"] = frame["rate"].astype(float)
+        frame = frame.sort_values(["item"], kind="stable").reset_index(drop=True)
     config["skipped"] = skipped
     config["seconds"] = round(time.perf_counter() - started, 1)
     result = DownstreamResult(frame, summarise(frame, task), config)

@@ -232,8 +232,11 @@ def faithfulness(
         "source": source,
     }
     folder = RunFolder(out, config, resume=resume) if out is not None else None
-    done = {int(k[0]) for k in folder.done_keys(PER_SEQUENCE, ["seq"])} if folder else set()
-    rows: list[dict[str, Any]] = list(folder.read_rows(PER_SEQUENCE)) if folder else []
+    rows: list[dict[str, Any]] = []
+    done: set[int] = set()
+    if folder is not None:  # a sequence is done only when all its rows were written
+        kept, keys = folder.complete_rows(PER_SEQUENCE, "seq", len(opts.removals()))
+        rows, done = list(kept), {int(k) for k in keys}
     todo = [i for i in range(len(texts)) if i not in done]
     bar = tqdm(total=len(texts), initial=len(done), desc="faithfulness", unit="seq",
                disable=not progress)  # fmt: skip
