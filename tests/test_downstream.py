@@ -117,3 +117,9 @@ def test_resume_redoes_an_item_cut_mid_write(tmp_path):
     assert (resumed.summary.n == len(ITEMS)).all()
     assert sorted(resumed.per_item.item.tolist()) == sorted(first.per_item.item.tolist())
     assert resumed.summary.accuracy.tolist() == first.summary.accuracy.tolist()
+
+
+def test_a_measure_string_is_a_name_not_letters():
+    lm = tiny_model("llama")
+    res = downstream(lm, ITEMS[:1], measures="ihc", rates=0.5, progress=False)
+    assert res.config["measures"] == ["ihc"] and res.summary.measure.tolist() == ["ihc"]

@@ -362,3 +362,15 @@ def test_resume_redoes_a_sequence_cut_mid_write(tmp_path):
         torch.tensor(first.per_sequence.delta_nll.values),
     )
     assert len(csv.read_text().splitlines()) == 1 + 16
+
+
+def test_a_measure_or_mode_string_is_a_name_not_letters():
+    lm = tiny_model("llama")
+    res = faithfulness(lm, [TEXT], measures="ihc", modes="sufficiency", rates=0.5,
+                       progress=False)  # fmt: skip
+    assert res.config["measures"] == ["ihc"] and res.config["modes"] == ["sufficiency"]
+    assert set(res.per_sequence["mode"]) == {"sufficiency"} and len(res.per_sequence) == 1
+    modes = "comprehensiveness,sufficiency"
+    both = faithfulness(lm, [TEXT], measures="attention,ihc", modes=modes, rates=[0.5],
+                        progress=False)  # fmt: skip
+    assert both.config["measures"] == ["attention", "ihc"] and len(both.per_sequence) == 4

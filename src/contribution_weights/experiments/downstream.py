@@ -27,7 +27,7 @@ from ..interventions import CLEAN, SINK_COSINE, Removal
 from ..loading import LoadedModel
 from ..measures.registry import resolve_measures
 from ..runs import RunFolder
-from .faithfulness import DEFAULT_MEASURES, DEFAULT_RATES
+from .faithfulness import DEFAULT_MEASURES, DEFAULT_RATES, as_floats
 from .removal import DEFAULT_MEMORY_BYTES, token_logprobs
 
 PER_ITEM = "per_item.csv"
@@ -135,8 +135,8 @@ def downstream(
     """
     if not items:
         raise ValueError("no items given; load some with cw.data.load_task(task, n)")
-    names = resolve_measures(list(measures))
-    rate_list = sorted({float(r) for r in rates})
+    names = resolve_measures(measures)  # a string is a name or "a,b", not letters
+    rate_list = sorted({float(r) for r in as_floats(rates)})
     removals = [Removal(m, "sufficiency", r) for m in names for r in rate_list]
     config = {
         "experiment": "downstream",

@@ -59,14 +59,14 @@ class FaithfulnessOptions:
     sink_threshold: float = SINK_COSINE
 
     def check(self) -> FaithfulnessOptions:
-        measures = resolve_measures(list(self.measures))
-        modes = list(dict.fromkeys(self.modes))
+        measures = resolve_measures(self.measures)  # a string is a name or "a,b", not letters
+        modes = list(dict.fromkeys(split_names(self.modes)))
         for m in modes:
             if m not in MODES:
                 raise ValueError(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
         if self.scope not in SCOPES:
             raise ValueError(f"unknown scope {self.scope!r}; choose from {', '.join(SCOPES)}")
-        rates = sorted({float(r) for r in self.rates})
+        rates = sorted({float(r) for r in as_floats(self.rates)})
         if not rates or any(not 0 <= r <= 1 for r in rates):
             raise ValueError(f"rates must be in [0, 1], got {list(self.rates)}")
         if self.max_tokens < 2:
@@ -81,6 +81,18 @@ class FaithfulnessOptions:
             Removal(m, mode, rate)
             for m, mode, rate in itertools.product(self.measures, self.modes, self.rates)
         ]
+
+
+def split_names(value: str | Sequence[str]) -> list[str]:
+    """``"a,b"`` or ``["a", "b"]`` -> ``["a", "b"]`` (a string is never split into letters)."""
+    if isinstance(value, str):
+        return [v.strip() for v in value.split(",") if v.strip()]
+    return list(value)
+
+
+def as_floats(value: float | Sequence[float]) -> list[float]:
+    """One rate or a sequence of rates as a list."""
+    return [float(value)] if isinstance(value, (int, float)) else [float(v) for v in value]
 
 
 def sequence_rows(
