@@ -374,3 +374,19 @@ def test_a_measure_or_mode_string_is_a_name_not_letters():
     both = faithfulness(lm, [TEXT], measures="attention,ihc", modes=modes, rates=[0.5],
                         progress=False)  # fmt: skip
     assert both.config["measures"] == ["attention", "ihc"] and len(both.per_sequence) == 4
+
+
+@pytest.mark.parametrize("size", [0, -1])
+def test_batch_size_below_one_is_refused(size, tmp_path, monkeypatch, capsys):
+    from contribution_weights.cli import main
+
+    lm = tiny_model("llama")
+    with pytest.raises(ValueError, match="at least 1"):
+        token_logprobs(lm, _ids()[None], [CLEAN], batch_size=size)
+    monkeypatch.setattr("contribution_weights.loading.load_model", lambda *a, **k: lm)
+    f = tmp_path / "t.txt"
+    f.write_text(TEXT)
+    with pytest.raises(SystemExit):
+        main(["faithfulness", "--file", str(f), "--batch-size", str(size), "--out",
+              str(tmp_path / "o")])  # fmt: skip
+    assert "at least 1" in capsys.readouterr().err

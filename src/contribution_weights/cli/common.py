@@ -46,6 +46,17 @@ def read_text(args: argparse.Namespace) -> str:
     return path.read_text()
 
 
+def positive_int(value: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, not {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 def parse_int_list(value: str) -> list[int]:
     """``"0,5,-1"``, ranges ``"0-3"`` and negative ranges ``"-3--1"`` into ints."""
     out: list[int] = []

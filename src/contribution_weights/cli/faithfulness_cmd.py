@@ -8,7 +8,7 @@ from pathlib import Path
 from ..experiments.faithfulness import DEFAULT_MEASURES, DEFAULT_RATES
 from ..interventions import MODES, SCOPES
 from ..measures.registry import measure_names
-from .common import add_model_arguments
+from .common import add_model_arguments, positive_int
 
 
 def parse_rates(value: str) -> list[float]:
@@ -51,7 +51,9 @@ def add_removal_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", type=Path, default=None, help="data folder (else $CW_DATA_DIR)")
     p.add_argument("--out", type=Path, required=True, help="output folder")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
-    p.add_argument("--batch-size", type=int, default=None, help="rows per forward (default: auto)")
+    p.add_argument(
+        "--batch-size", type=positive_int, default=None, help="rows per forward (default: auto)"
+    )
     add_model_arguments(p)
 
 

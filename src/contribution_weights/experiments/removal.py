@@ -96,8 +96,14 @@ def token_logprobs(
         )
     if input_ids.shape[1] < 2:
         raise ValueError("a sequence needs at least 2 tokens to be scored")
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1 (or None for automatic), got {batch_size}")
     rows = len(removals)
-    size = batch_size or auto_batch_size(model, input_ids.shape[1], memory_bytes)
+    size = (
+        batch_size
+        if batch_size is not None
+        else auto_batch_size(model, input_ids.shape[1], memory_bytes)
+    )
     out = torch.empty(rows, input_ids.shape[1] - 1)
     start = 0
     while start < rows:
