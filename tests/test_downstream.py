@@ -123,3 +123,9 @@ def test_a_measure_string_is_a_name_not_letters():
     lm = tiny_model("llama")
     res = downstream(lm, ITEMS[:1], measures="ihc", rates=0.5, progress=False)
     assert res.config["measures"] == ["ihc"] and res.summary.measure.tolist() == ["ihc"]
+
+
+def test_max_tokens_below_two_is_refused():
+    lm = tiny_model("llama")
+    with pytest.raises(ValueError, match="at least 2"):
+        downstream(lm, ITEMS, max_tokens=1, progress=False)

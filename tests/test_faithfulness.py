@@ -390,3 +390,12 @@ def test_batch_size_below_one_is_refused(size, tmp_path, monkeypatch, capsys):
         main(["faithfulness", "--file", str(f), "--batch-size", str(size), "--out",
               str(tmp_path / "o")])  # fmt: skip
     assert "at least 1" in capsys.readouterr().err
+
+
+def test_blank_and_one_token_texts_are_skipped_and_counted():
+    lm = tiny_model("llama")
+    res = faithfulness(lm, [TEXT, "   ", "a", "another short text"], measures=["attention"],
+                       rates=[0.5], modes=["sufficiency"], progress=False)  # fmt: skip
+    assert res.config["skipped"] == 2 and sorted(res.per_sequence.seq) == [0, 3]
+    with pytest.raises(ValueError, match="at least 2"):
+        faithfulness(lm, [TEXT], max_tokens=1, progress=False)

@@ -15,7 +15,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "measure are kept (sufficiency)",
     )
     p.add_argument("--task", choices=TASKS, required=True)
-    add_removal_arguments(p)
+    add_removal_arguments(
+        p, "skip items whose prompt plus longest option exceed N tokens (default 512)"
+    )
     p.set_defaults(func=run)
 
 

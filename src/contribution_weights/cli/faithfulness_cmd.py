@@ -26,7 +26,15 @@ def parse_names(value: str) -> list[str]:
     return [x.strip() for x in value.replace(" ", ",").split(",") if x.strip()]
 
 
-def add_removal_arguments(p: argparse.ArgumentParser) -> None:
+def at_least_two(value: str) -> int:
+    """An argparse type for --max-tokens: a score needs at least 2 tokens."""
+    n = positive_int(value)
+    if n < 2:
+        raise argparse.ArgumentTypeError(f"must be at least 2 (a token and its next), got {n}")
+    return n
+
+
+def add_removal_arguments(p: argparse.ArgumentParser, max_tokens_help: str) -> None:
     p.add_argument(
         "--measures",
         type=parse_names,
@@ -40,7 +48,7 @@ def add_removal_arguments(p: argparse.ArgumentParser) -> None:
         default=list(DEFAULT_RATES),
         help=f"removal rates p (default {','.join(map(str, DEFAULT_RATES))})",
     )
-    p.add_argument("--max-tokens", type=int, default=512, help="truncate texts (default 512)")
+    p.add_argument("--max-tokens", type=at_least_two, default=512, help=max_tokens_help)
     p.add_argument(
         "--no-sink-protection",
         dest="protect_sinks",
@@ -70,7 +78,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--field", default="text", help="JSONL field holding the text (default text)")
     p.add_argument("--modes", type=parse_names, default=list(MODES), help="default: both")
     p.add_argument("--scope", choices=SCOPES, default="layer", help="ranking scope")
-    add_removal_arguments(p)
+    add_removal_arguments(
+        p, "keep the first N tokens of longer texts (default 512; texts under 2 tokens are skipped)"
+    )
     p.set_defaults(func=run)
 
 
@@ -103,5 +113,7 @@ def run(args: argparse.Namespace) -> int:
         source=source,
     )
     print(result.summary.to_string(index=False, float_format=lambda x: f"{x:.4g}"))
+    if result.config["skipped"]:
+        print(f"skipped {result.config['skipped']} blank texts or texts under 2 tokens")
     print(f"wrote {args.out}/per_sequence.csv, summary.csv, faithfulness.png")
     return 0

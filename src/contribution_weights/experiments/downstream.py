@@ -135,6 +135,10 @@ def downstream(
     """
     if not items:
         raise ValueError("no items given; load some with cw.data.load_task(task, n)")
+    if max_tokens < 2:
+        raise ValueError(
+            f"max_tokens must be at least 2 (a prompt token and an option token), got {max_tokens}"
+        )
     names = resolve_measures(measures)  # a string is a name or "a,b", not letters
     rate_list = sorted({float(r) for r in as_floats(rates)})
     removals = [Removal(m, "sufficiency", r) for m in names for r in rate_list]

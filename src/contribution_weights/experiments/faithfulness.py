@@ -225,7 +225,9 @@ def faithfulness(
 ) -> FaithfulnessResult:
     """Comprehensiveness and sufficiency of each measure on ``texts`` (SPEC §4).
 
-    Texts longer than ``max_tokens`` are truncated to their first ``max_tokens`` tokens.
+    Texts longer than ``max_tokens`` are truncated to their first ``max_tokens`` tokens;
+    blank texts and texts of fewer than 2 tokens are skipped (counted in
+    ``config["skipped"]``).
     With ``out`` the run is written to that folder (``config.json``, ``per_sequence.csv``
     appended per sequence, then ``summary.csv`` and ``faithfulness.png``); ``resume``
     continues a run there, skipping finished sequences.
@@ -253,10 +255,16 @@ def faithfulness(
     bar = tqdm(total=len(texts), initial=len(done), desc="faithfulness", unit="seq",
                disable=not progress)  # fmt: skip
     started = time.perf_counter()
+    skipped = 0
     try:
         for i in todo:
-            ids = encode(model, texts[i], opts.max_tokens, truncate=True)
-            if ids.numel() < 2:
+            ids = (
+                encode(model, texts[i], opts.max_tokens, truncate=True)
+                if texts[i].strip()
+                else None
+            )
+            if ids is None or ids.numel() < 2:  # blank, or no next token to score
+                skipped += 1
                 bar.update(1)
                 continue
             seq_rows = [
@@ -278,6 +286,7 @@ def faithfulness(
         for col in ("rate", "nll", "ppl", "nll_clean", "ppl_clean", "delta_nll", "delta_ppl"):
             frame[col] = frame[col].astype(float)
         frame = frame.sort_values(["seq"], kind="stable").reset_index(drop=True)
+    config["skipped"] = skipped
     config["seconds"] = round(time.perf_counter() - started, 1)
     result = FaithfulnessResult(frame, config)
     if folder is not None:
