@@ -101,3 +101,25 @@ def test_unknown_names_and_bad_n(shared_data):
 def test_choice_item_is_plain_data():
     item = ChoiceItem("p", [" a", " b"], 1)
     assert item.options[item.answer] == " b"
+
+
+def test_a_malformed_record_names_the_file_the_record_and_the_field(tmp_path):
+    (tmp_path / "winogrande").mkdir()
+    wino = tmp_path / "winogrande" / "dev.jsonl"
+    good = {"sentence": "The cup fell because _ was full.", "option1": "it", "option2": "he",
+            "answer": "1"}  # fmt: skip
+    bad = {k: v for k, v in good.items() if k != "option2"}
+    wino.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
+    assert len(data.load_task("winogrande", 1, tmp_path)) == 1
+    with pytest.raises(DataError, match=rf"{wino}:2: the record has no field 'option2'"):
+        data.load_task("winogrande", None, tmp_path)
+    (tmp_path / "gsm8k").mkdir()
+    gsm = tmp_path / "gsm8k" / "test.jsonl"
+    gsm.write_text(json.dumps({"question": "q"}) + "\n")
+    with pytest.raises(DataError, match=rf"{gsm}:1: the record has no field 'answer'"):
+        data.load_texts("gsm8k", None, tmp_path)
+    (tmp_path / "mmlu" / "test").mkdir(parents=True)
+    csv_file = tmp_path / "mmlu" / "test" / "x_test.csv"
+    csv_file.write_text("question,choice0,choice1,choice2,choice3,answer\nq,a,b,c,d,two\n")
+    with pytest.raises(DataError, match=rf"{csv_file}:2: bad value"):
+        data.load_task("mmlu", None, tmp_path)

@@ -25,11 +25,15 @@ from __future__ import annotations
 import csv
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+#: a record and where it came from ("path:line", or the hub data set and row number)
+Located = tuple[str, dict[str, Any]]
 
 TEXT_DATASETS = ("gsm8k", "fineweb-edu")
 TASKS = ("mmlu", "winogrande", "boolq")
@@ -108,7 +112,7 @@ def _missing(name: str, data_dir: str | os.PathLike[str] | None, why: str = "") 
     )
 
 
-def _hub_rows(name: str, data_dir: str | os.PathLike[str] | None) -> Iterator[dict[str, Any]]:
+def _hub_rows(name: str, data_dir: str | os.PathLike[str] | None) -> Iterator[Located]:
     if not _hub_allowed():
         raise _missing(name, data_dir, " locally, and the hub is not available")
     import datasets
@@ -118,20 +122,39 @@ def _hub_rows(name: str, data_dir: str | os.PathLike[str] | None) -> Iterator[di
         ds = datasets.load_dataset(path, config, split=split, streaming=streaming)
     except Exception as err:  # network, auth, missing config: all mean "not available"
         raise _missing(name, data_dir, f" locally, and the hub failed ({err})") from err
-    return iter(ds)
+    return ((f"{path} ({split}) row {k}", dict(row)) for k, row in enumerate(ds, 1))
 
 
-def _jsonl(path: Path) -> Iterator[dict[str, Any]]:
+def _jsonl(path: Path) -> Iterator[Located]:
     with path.open(encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, 1):
             if line.strip():
                 try:
-                    yield json.loads(line)
+                    rec = json.loads(line)
                 except json.JSONDecodeError as err:
                     raise DataError(f"{path}:{lineno} is not valid JSON ({err.msg})") from err
+                if not isinstance(rec, dict):
+                    raise DataError(f"{path}:{lineno} is not a JSON object (a record of fields)")
+                yield f"{path}:{lineno}", rec
 
 
-def _rows(name: str, data_dir: str | os.PathLike[str] | None) -> Iterator[dict[str, Any]]:
+def _convert(fn: Callable[[dict[str, Any]], T], where: str, rec: dict[str, Any]) -> T:
+    """``fn(rec)``; a missing field or a bad value becomes a DataError naming where."""
+    try:
+        return fn(rec)
+    except KeyError as err:
+        raise DataError(
+            f"{where}: the record has no field {err.args[0]!r} (fields: {', '.join(rec)}); "
+            "the file does not have the expected layout (see cw.data.LAYOUT and "
+            "../shared/data/README.md)"
+        ) from None
+    except (ValueError, TypeError) as err:
+        raise DataError(f"{where}: bad value in the record ({err})") from err
+    except DataError as err:
+        raise DataError(f"{where}: {err}") from None
+
+
+def _rows(name: str, data_dir: str | os.PathLike[str] | None) -> Iterator[Located]:
     files = _local_files(name, data_dir)
     if not files:
         return _hub_rows(name, data_dir)
@@ -158,10 +181,11 @@ def load_texts(
             "or read your own file with read_texts(path)"
         )
     rows = _rows(key, data_dir)
-    if key == "gsm8k":
-        texts = (f"{r['question']}\n{r['answer']}" for r in rows)
-    else:
-        texts = (str(r["text"]) for r in rows)
+
+    def text(r: dict[str, Any]) -> str:
+        return f"{r['question']}\n{r['answer']}" if key == "gsm8k" else str(r["text"])
+
+    texts = (_convert(text, where, r) for where, r in rows)
     return _take((t for t in texts if t.strip()), n)
 
 
@@ -176,10 +200,10 @@ def read_texts(path: str | os.PathLike[str], field: str = "text") -> list[str]:
         raise DataError(f"text file {p} does not exist")
     if p.suffix == ".jsonl":
         texts = []
-        for i, rec in enumerate(_jsonl(p), 1):
+        for where, rec in _jsonl(p):
             if field not in rec:
                 raise DataError(
-                    f"{p}: record {i} has no field {field!r} (fields: {', '.join(rec)}); "
+                    f"{where}: the record has no field {field!r} (fields: {', '.join(rec)}); "
                     "pass the right field (CLI: --field)"
                 )
             texts.append(str(rec[field]))
@@ -196,7 +220,7 @@ def read_texts(path: str | os.PathLike[str], field: str = "text") -> list[str]:
 
 
 # ---- tasks ---------------------------------------------------------------------------
-def _mmlu_rows(files: list[Path]) -> Iterator[dict[str, Any]]:
+def _mmlu_rows(files: list[Path]) -> Iterator[Located]:
     """Rows of every subject, interleaved (one from each subject in turn)."""
     readers = []
     for f in files:
@@ -212,16 +236,24 @@ def _mmlu_rows(files: list[Path]) -> Iterator[dict[str, Any]]:
                     fh.close()
                     continue
                 alive.append((subject, reader, fh))
-                yield {
-                    "subject": subject,
-                    "question": row["question"],
-                    "choices": [row[f"choice{k}"] for k in range(4)],
-                    "answer": int(row["answer"]),
-                }
+                where = f"{fh.name}:{reader.line_num}"
+                yield where, _convert(_mmlu_record(subject), where, row)
             readers = alive
     finally:
         for _, _, fh in readers:
             fh.close()
+
+
+def _mmlu_record(subject: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    def record(row: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "subject": subject,
+            "question": row["question"],
+            "choices": [row[f"choice{k}"] for k in range(4)],
+            "answer": int(row["answer"]),
+        }
+
+    return record
 
 
 def mmlu_item(row: dict[str, Any]) -> ChoiceItem:
@@ -266,8 +298,10 @@ def load_task(
         raise ValueError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
     rows = _rows(key, data_dir)
     if key == "mmlu" and not _local_files(key, data_dir):  # hub rows: adapt the fields
-        rows = ({**r, "choices": list(r["choices"])} for r in rows)
-    return _take((_TASK_ITEM[key](r) for r in rows), n)
+        rows = (
+            (w, _convert(lambda r: {**r, "choices": list(r["choices"])}, w, r)) for w, r in rows
+        )
+    return _take((_convert(_TASK_ITEM[key], where, r) for where, r in rows), n)
 
 
 __all__ = [
