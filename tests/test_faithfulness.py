@@ -399,3 +399,26 @@ def test_blank_and_one_token_texts_are_skipped_and_counted():
     assert res.config["skipped"] == 2 and sorted(res.per_sequence.seq) == [0, 3]
     with pytest.raises(ValueError, match="at least 2"):
         faithfulness(lm, [TEXT], max_tokens=1, progress=False)
+
+
+def test_probs_and_valid_of_selected_batch_rows_equal_the_full_batch_rows():
+    lm = tiny_model("qwen3")  # GQA
+    t = _ids().numel()
+    ids = torch.stack([_ids(), _ids("a different text, at least as long as the first one")[:t]])
+    ids = torch.cat([ids, ids[:1]])
+    idx = torch.tensor([2, 0])
+    seen = []
+
+    class Check:
+        def column_scale(self, call):
+            rows = slice(3, 9)
+            torch.testing.assert_close(call.probs(rows, idx), call.probs(rows)[idx], rtol=0, atol=0)
+            assert torch.equal(call.valid(rows, idx), call.valid(rows)[idx])
+            seen.append(call.layer_idx)
+            return None
+
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # a padded row gives a per-row mask
+    with torch.no_grad(), capturing(lm.model, intervention=Check()):
+        lm.model(input_ids=ids, attention_mask=mask, use_cache=False)
+    assert seen == list(range(lm.num_layers))

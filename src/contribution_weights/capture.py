@@ -105,15 +105,23 @@ class LayerCall:
         b, g, t, d = x.shape
         return x[:, :, None].expand(b, g, rep, t, d).reshape(b, g * rep, t, d)
 
-    def probs(self, rows: slice) -> Tensor:
-        """``(B, H, I, Tk)`` attention probabilities for query rows, as eager computes them."""
-        keys = self._expanded(self.key)
-        scores = torch.matmul(self.query[:, :, rows], keys.transpose(2, 3)) * self.scaling
+    def probs(self, rows: slice, batch: Tensor | None = None) -> Tensor:
+        """``(B, H, I, Tk)`` attention probabilities for query rows, as eager computes them.
+
+        ``batch``: indices of the batch rows wanted (all when None); only those are computed.
+        """
+        query, key = self.query[:, :, rows], self.key
+        if batch is not None:
+            query, key = query.index_select(0, batch), key.index_select(0, batch)
+        keys = self._expanded(key)
+        scores = torch.matmul(query, keys.transpose(2, 3)) * self.scaling
         if self.softcap is not None:
             scores = torch.tanh(scores / self.softcap) * self.softcap
         mask = self.attention_mask
         if mask is not None:
             mask = mask[:, :, rows, : self.k_len]
+            if batch is not None and mask.shape[0] > 1:
+                mask = mask.index_select(0, batch)
             if mask.dtype == torch.bool:
                 scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
             else:
@@ -122,15 +130,18 @@ class LayerCall:
             return nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(self.query.dtype)
         return nn.functional.softmax(scores, dim=-1).type(self.value.dtype)
 
-    def valid(self, rows: slice) -> Tensor:
-        """``(B, I, Tk)`` bool: where each query may attend."""
-        b, i, t = self.batch, rows.stop - rows.start, self.k_len
+    def valid(self, rows: slice, batch: Tensor | None = None) -> Tensor:
+        """``(B, I, Tk)`` bool: where each query may attend (``batch``: those rows only)."""
+        b = self.batch if batch is None else int(batch.numel())
+        i, t = rows.stop - rows.start, self.k_len
         mask = self.attention_mask
         if mask is None:
             q_pos = torch.arange(rows.start, rows.stop, device=self.query.device) + (t - self.q_len)
             causal = torch.arange(t, device=self.query.device)[None, :] <= q_pos[:, None]
             return causal.expand(b, i, t)
         mask = mask[:, 0, rows, :t]
+        if batch is not None and mask.shape[0] > 1:
+            mask = mask.index_select(0, batch)
         ok = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
         return ok.expand(b, i, t)
 

@@ -71,6 +71,8 @@ class Removal:
 
 
 CLEAN = Removal(None)
+#: (n, H, I, Tk) tensors the token-score maths holds at once, for sizing query blocks
+_LIVE_BLOCKS = 6
 
 
 def removal_count(rate: float, n_eligible: Tensor) -> Tensor:
@@ -197,13 +199,15 @@ class SequentialRemoval:
         w_o, b_o, gram = call.output_blocks(dtype)
         values = call.value.index_select(0, idx).to(dtype)
         total = torch.zeros(len(rows), h, t, dtype=dtype, device=call.query.device)
-        per_query = max(1, len(rows) * h * t * torch.finfo(dtype).bits // 8 * 8)
+        # bytes per query row: (n, H, Tk) elements of dtype, times the (n, H, I, Tk) tensors
+        # the measure maths holds at once (α, ⟨o, ṽ⟩, γ, its masked copy, temporaries)
+        per_query = max(1, len(rows) * h * t * (torch.finfo(dtype).bits // 8) * _LIVE_BLOCKS)
         step = max(1, self.block_bytes // per_query)
         compute = get_measure(measure).compute
         for start in range(0, limit, step):
             block = slice(start, min(limit, start + step))
-            probs = call.probs(block).index_select(0, idx).to(dtype)
-            valid = call.valid(block).index_select(0, idx)
+            probs = call.probs(block, idx).to(dtype)  # only this measure's batch rows
+            valid = call.valid(block, idx)
             lt = LayerTensors(probs, values, w_o, b_o, valid, gram=gram)
             gamma = lt.masked(compute(lt))
             total += gamma.sum(dim=2)
