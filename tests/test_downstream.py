@@ -129,3 +129,31 @@ def test_max_tokens_below_two_is_refused():
     lm = tiny_model("llama")
     with pytest.raises(ValueError, match="at least 2"):
         downstream(lm, ITEMS, max_tokens=1, progress=False)
+
+
+def test_resume_with_changed_items_is_refused(tmp_path):
+    from contribution_weights.runs import RunFolderError
+
+    lm = tiny_model("llama")
+    kw = dict(task="toy", measures=["attention"], rates=[0.5], progress=False)
+    downstream(lm, ITEMS, out=tmp_path / "d", **kw)
+    changed = [ITEMS[0], ChoiceItem(ITEMS[1].prompt, ITEMS[1].options, 0), ITEMS[2]]
+    with pytest.raises(RunFolderError, match="items_sha256"):
+        downstream(lm, changed, out=tmp_path / "d", resume=True, **kw)
+    again = downstream(lm, ITEMS, out=tmp_path / "d", resume=True, **kw)
+    assert (again.summary.n == len(ITEMS)).all()
+
+
+def test_fingerprint_is_the_old_text_digest_and_sees_every_part():
+    import hashlib
+
+    from contribution_weights.runs import fingerprint
+
+    texts = ["a", "bc"]
+    for algorithm in ("sha1", "sha256"):
+        old = hashlib.new(algorithm)
+        for t in texts:
+            old.update(t.encode() + b"\0")
+        assert fingerprint(texts, algorithm=algorithm) == old.hexdigest()[:16]
+    base = fingerprint([["p", ["x", "y"], 0]])
+    assert base != fingerprint([["p", ["x", "y"], 1]]) != fingerprint([["p", ["y", "x"], 0]])

@@ -11,12 +11,29 @@ with a different config is refused, naming the keys that differ, so results neve
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+
+def fingerprint(items: Iterable[Any], *, algorithm: str = "sha256") -> str:
+    """A short hex digest of the inputs of a run, stored in its config so that resuming
+    with other inputs is refused.
+
+    Each item is a string (hashed as is) or a JSON-able value (hashed as sorted JSON);
+    items are separated by a NUL byte. ``algorithm`` is any :mod:`hashlib` name (run
+    folders written before this helper used sha1 for faithfulness, sha256 for geometry).
+    """
+    digest = hashlib.new(algorithm)
+    for item in items:
+        text = item if isinstance(item, str) else json.dumps(item, sort_keys=True)
+        digest.update(text.encode())
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
 
 
 class RunFolderError(RuntimeError):

@@ -26,7 +26,7 @@ from ..data import ChoiceItem
 from ..interventions import CLEAN, SINK_COSINE, Removal
 from ..loading import LoadedModel
 from ..measures.registry import resolve_measures
-from ..runs import RunFolder
+from ..runs import RunFolder, fingerprint
 from .faithfulness import DEFAULT_MEASURES, DEFAULT_RATES, as_floats
 from .removal import DEFAULT_MEMORY_BYTES, token_logprobs
 
@@ -151,6 +151,8 @@ def downstream(
         "protect_sinks": protect_sinks,
         "max_tokens": max_tokens,
         "n_items": len(items),
+        # resuming with other items (prompt, options or answer) is refused
+        "items_sha256": fingerprint([item.prompt, item.options, item.answer] for item in items),
     }
     folder = RunFolder(out, config, resume=resume) if out is not None else None
     records: list[dict[str, Any]] = []

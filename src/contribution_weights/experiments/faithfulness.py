@@ -10,7 +10,6 @@ stopped.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import math
 import time
@@ -26,7 +25,7 @@ from tqdm.auto import tqdm
 from ..interventions import CLEAN, MODES, SCOPES, SINK_COSINE, Removal, global_thresholds
 from ..loading import LoadedModel
 from ..measures.registry import resolve_measures
-from ..runs import RunFolder
+from ..runs import RunFolder, fingerprint
 from ..tracing import encode
 from .removal import DEFAULT_MEMORY_BYTES, token_logprobs
 
@@ -198,14 +197,6 @@ class FaithfulnessResult:
         return cls(pd.read_csv(folder / PER_SEQUENCE), config)
 
 
-def texts_digest(texts: Sequence[str]) -> str:
-    h = hashlib.sha1()
-    for t in texts:
-        h.update(t.encode())
-        h.update(b"\0")
-    return h.hexdigest()[:16]
-
-
 def faithfulness(
     model: LoadedModel,
     texts: Sequence[str],
@@ -242,7 +233,7 @@ def faithfulness(
         "model": model.name,
         **{k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in asdict(opts).items()},
         "n_texts": len(texts),
-        "texts_sha1": texts_digest(texts),
+        "texts_sha1": fingerprint(texts, algorithm="sha1"),  # sha1: older runs resume
         "source": source,
     }
     folder = RunFolder(out, config, resume=resume) if out is not None else None
