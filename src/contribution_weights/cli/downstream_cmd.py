@@ -43,5 +43,9 @@ def run(args: argparse.Namespace) -> int:
     print(result.summary.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
     if result.config["skipped"]:
         print(f"skipped {result.config['skipped']} items longer than --max-tokens")
-    print(f"wrote {args.out}/per_item.csv, summary.csv, downstream.png")
+    written = "per_item.csv, summary.csv, run_info.json"
+    if not result.summary.empty:
+        result.plot(args.out / "downstream.png")
+        written += ", downstream.png"
+    print(f"wrote {args.out}/{written}")
     return 0

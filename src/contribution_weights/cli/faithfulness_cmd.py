@@ -115,5 +115,9 @@ def run(args: argparse.Namespace) -> int:
     print(result.summary.to_string(index=False, float_format=lambda x: f"{x:.4g}"))
     if result.config["skipped"]:
         print(f"skipped {result.config['skipped']} blank texts or texts under 2 tokens")
-    print(f"wrote {args.out}/per_sequence.csv, summary.csv, faithfulness.png")
+    written = "per_sequence.csv, summary.csv"
+    if not result.summary.empty:
+        result.plot(args.out / "faithfulness.png")
+        written += ", faithfulness.png"
+    print(f"wrote {args.out}/{written}")
     return 0

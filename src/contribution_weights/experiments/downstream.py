@@ -211,6 +211,4 @@ def downstream(
     if folder is not None:
         result.summary.to_csv(folder.file(SUMMARY), index=False)
         folder.write_json("run_info.json", {"skipped": skipped, "seconds": config["seconds"]})
-        if not result.summary.empty:
-            result.plot(folder.file("downstream.png"))
     return result

@@ -220,7 +220,8 @@ def faithfulness(
     blank texts and texts of fewer than 2 tokens are skipped (counted in
     ``config["skipped"]``).
     With ``out`` the run is written to that folder (``config.json``, ``per_sequence.csv``
-    appended per sequence, then ``summary.csv`` and ``faithfulness.png``); ``resume``
+    appended per sequence, then ``summary.csv``; figures are the caller's:
+    ``result.plot(path)``, as ``cw faithfulness`` does); ``resume``
     continues a run there, skipping finished sequences.
     """
     if isinstance(texts, str):
@@ -282,6 +283,4 @@ def faithfulness(
     result = FaithfulnessResult(frame, config)
     if folder is not None:
         result.summary.to_csv(folder.file(SUMMARY), index=False)
-        if not result.summary.empty:
-            result.plot(folder.file("faithfulness.png"))
     return result
