@@ -423,3 +423,25 @@ def test_probs_and_valid_of_selected_batch_rows_equal_the_full_batch_rows():
     with torch.no_grad(), capturing(lm.model, intervention=Check()):
         lm.model(input_ids=ids, attention_mask=mask, use_cache=False)
     assert seen == list(range(lm.num_layers))
+
+
+def test_options_object_sets_the_sink_threshold(tmp_path, monkeypatch):
+    from contribution_weights.cli import main
+    from contribution_weights.experiments.faithfulness import FaithfulnessOptions
+
+    lm = tiny_model("llama")
+    # cosine > -1 holds for every token, so every token is a protected sink: nothing removed
+    opts = FaithfulnessOptions(measures=["vw"], rates=[0.5], sink_threshold=-1.0)
+    res = faithfulness(lm, [TEXT], options=opts, progress=False)
+    assert res.config["sink_threshold"] == -1.0 and (res.per_sequence.delta_nll == 0).all()
+    default = faithfulness(lm, [TEXT], measures=["vw"], rates=[0.5], progress=False)
+    assert (default.per_sequence.delta_nll != 0).any()
+    with pytest.raises(ValueError, match="cosine"):
+        faithfulness(lm, [TEXT], sink_threshold=2.0, progress=False)
+    monkeypatch.setattr("contribution_weights.loading.load_model", lambda *a, **k: lm)
+    f = tmp_path / "t.txt"
+    f.write_text(TEXT)
+    rc = main(["faithfulness", "--file", str(f), "--measures", "vw", "--rates", "0.5",
+               "--sink-threshold", "-1", "--out", str(tmp_path / "o")])  # fmt: skip
+    assert rc == 0
+    assert json.loads((tmp_path / "o" / "config.json").read_text())["sink_threshold"] == -1.0

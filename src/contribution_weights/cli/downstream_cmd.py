@@ -35,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
         measures=args.measures,
         rates=args.rates,
         protect_sinks=args.protect_sinks,
+        sink_threshold=args.sink_threshold,
         max_tokens=args.max_tokens,
         out=args.out,
         resume=args.resume,

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from ..experiments.faithfulness import DEFAULT_MEASURES, DEFAULT_RATES
-from ..interventions import MODES, SCOPES
+from ..interventions import MODES, SCOPES, SINK_COSINE
 from ..measures.registry import measure_names
 from .common import add_model_arguments, positive_int
 
@@ -50,6 +50,13 @@ def add_removal_arguments(p: argparse.ArgumentParser, max_tokens_help: str) -> N
     )
     p.add_argument("--max-tokens", type=at_least_two, default=512, help=max_tokens_help)
     p.add_argument(
+        "--sink-threshold",
+        type=float,
+        default=SINK_COSINE,
+        help=f"a token is a sink at a layer when its hidden state has cosine above this with "
+        f"token 0's (default {SINK_COSINE})",
+    )
+    p.add_argument(
         "--no-sink-protection",
         dest="protect_sinks",
         action="store_false",
@@ -86,7 +93,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from .. import data
-    from ..experiments.faithfulness import faithfulness
+    from ..experiments.faithfulness import FaithfulnessOptions, faithfulness
     from ..loading import load_model
 
     if args.dataset:
@@ -97,16 +104,20 @@ def run(args: argparse.Namespace) -> int:
         texts = data.read_texts(path, field=args.field)
         texts = texts[: args.n] if args.n else texts
         source = str(path)
-    model = load_model(args.model, dtype=args.dtype, device=args.device)
-    result = faithfulness(
-        model,
-        texts,
+    options = FaithfulnessOptions(
         measures=args.measures,
         rates=args.rates,
         modes=args.modes,
         protect_sinks=args.protect_sinks,
         scope=args.scope,
         max_tokens=args.max_tokens,
+        sink_threshold=args.sink_threshold,
+    ).check()  # bad options fail before the model loads
+    model = load_model(args.model, dtype=args.dtype, device=args.device)
+    result = faithfulness(
+        model,
+        texts,
+        options=options,
         out=args.out,
         resume=args.resume,
         batch_size=args.batch_size,

@@ -125,6 +125,7 @@ def downstream(
     resume: bool = False,
     batch_size: int | None = None,
     *,
+    sink_threshold: float = SINK_COSINE,
     memory_bytes: int = DEFAULT_MEMORY_BYTES,
     progress: bool = True,
 ) -> DownstreamResult:
@@ -149,6 +150,7 @@ def downstream(
         "measures": names,
         "rates": rate_list,
         "protect_sinks": protect_sinks,
+        "sink_threshold": sink_threshold,
         "max_tokens": max_tokens,
         "n_items": len(items),
         # resuming with other items (prompt, options or answer) is refused
@@ -175,7 +177,7 @@ def downstream(
                 continue
             scores = option_scores(
                 model, prompt, options, [CLEAN, *removals], protect_sinks=protect_sinks,
-                batch_size=batch_size, memory_bytes=memory_bytes,
+                sink_threshold=sink_threshold, batch_size=batch_size, memory_bytes=memory_bytes,
             )  # fmt: skip
             picks = pick(scores).tolist()
             clean_ok = int(picks[0] == item.answer)

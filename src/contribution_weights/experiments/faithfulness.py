@@ -70,6 +70,11 @@ class FaithfulnessOptions:
             raise ValueError(f"rates must be in [0, 1], got {list(self.rates)}")
         if self.max_tokens < 2:
             raise ValueError("max_tokens must be at least 2")
+        if not -1 <= self.sink_threshold <= 1:
+            raise ValueError(
+                f"sink_threshold is a cosine, in [-1, 1]; got {self.sink_threshold} "
+                f"(default {SINK_COSINE})"
+            )
         return FaithfulnessOptions(
             measures, rates, modes, self.protect_sinks, self.scope, self.max_tokens,
             self.sink_threshold,
@@ -210,6 +215,8 @@ def faithfulness(
     resume: bool = False,
     batch_size: int | None = None,
     *,
+    sink_threshold: float = SINK_COSINE,
+    options: FaithfulnessOptions | None = None,
     memory_bytes: int = DEFAULT_MEMORY_BYTES,
     progress: bool = True,
     source: str | None = None,
@@ -223,12 +230,20 @@ def faithfulness(
     appended per sequence, then ``summary.csv``; figures are the caller's:
     ``result.plot(path)``, as ``cw faithfulness`` does); ``resume``
     continues a run there, skipping finished sequences.
+
+    ``options`` (a :class:`FaithfulnessOptions`, as ``cw faithfulness`` builds it), when
+    given, is used instead of ``measures``, ``rates``, ``modes``, ``protect_sinks``,
+    ``scope``, ``max_tokens`` and ``sink_threshold``.
     """
     if isinstance(texts, str):
         texts = [texts]
     if not texts:
         raise ValueError("no texts given; pass a list of texts (or --dataset/--texts/--file)")
-    opts = FaithfulnessOptions(measures, rates, modes, protect_sinks, scope, max_tokens).check()
+    if options is None:
+        options = FaithfulnessOptions(
+            measures, rates, modes, protect_sinks, scope, max_tokens, sink_threshold
+        )
+    opts = options.check()
     config = {
         "experiment": "faithfulness",
         "model": model.name,
