@@ -445,3 +445,23 @@ def test_options_object_sets_the_sink_threshold(tmp_path, monkeypatch):
                "--sink-threshold", "-1", "--out", str(tmp_path / "o")])  # fmt: skip
     assert rc == 0
     assert json.loads((tmp_path / "o" / "config.json").read_text())["sink_threshold"] == -1.0
+
+
+def test_cli_corpus_arguments_take_the_first_n_and_refuse_n_below_one(
+    tmp_path, monkeypatch, capsys
+):
+    from contribution_weights.cli import main
+
+    lm = tiny_model("llama")
+    monkeypatch.setattr("contribution_weights.loading.load_model", lambda *a, **k: lm)
+    f = tmp_path / "t.jsonl"
+    f.write_text("".join(json.dumps({"body": t}) + "\n" for t in [TEXT, "two", "three"]))
+    args = ["faithfulness", "--texts", str(f), "--field", "body", "--measures", "attention",
+            "--rates", "0.5", "--modes", "sufficiency"]  # fmt: skip
+    for n in ("0", "-2"):
+        with pytest.raises(SystemExit):
+            main([*args, "--n", n, "--out", str(tmp_path / f"o{n}")])
+        assert "at least 1" in capsys.readouterr().err
+    assert main([*args, "--n", "2", "--out", str(tmp_path / "o")]) == 0
+    config = json.loads((tmp_path / "o" / "config.json").read_text())
+    assert config["n_texts"] == 2 and config["source"] == str(f)

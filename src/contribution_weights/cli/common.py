@@ -46,6 +46,42 @@ def read_text(args: argparse.Namespace) -> str:
     return path.read_text()
 
 
+def add_corpus_arguments(p: argparse.ArgumentParser) -> None:
+    """Where the texts of a corpus experiment come from: --dataset | --texts | --file,
+    --field, --n and --data-dir (read them with :func:`load_corpus`)."""
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--dataset", choices=["gsm8k", "fineweb-edu"], help="evaluation data set")
+    src.add_argument("--texts", type=Path, help="a .jsonl file of texts (field: --field)")
+    src.add_argument("--file", type=Path, help="a .txt file (texts separated by blank lines)")
+    p.add_argument("--field", default="text", help="JSONL field holding the text (default text)")
+    p.add_argument("--n", type=positive_int, default=None, help="use the first N texts")
+    p.add_argument("--data-dir", type=Path, default=None, help="data folder (else $CW_DATA_DIR)")
+
+
+def load_corpus(args: argparse.Namespace) -> tuple[list[str], str]:
+    """The texts named by :func:`add_corpus_arguments`, and their source (for titles)."""
+    from .. import data
+
+    if args.n is not None and args.n < 1:
+        raise ValueError(f"--n must be at least 1, not {args.n}")
+    if args.dataset:
+        return data.load_texts(args.dataset, args.n, args.data_dir), str(args.dataset)
+    path = args.texts or args.file
+    texts = data.read_texts(path, field=args.field)
+    return (texts if args.n is None else texts[: args.n]), str(path)
+
+
+def parse_floats(value: str) -> list[float]:
+    """An argparse type: ``"1,0.5,0"`` -> ``[1.0, 0.5, 0.0]`` (at least one number)."""
+    try:
+        out = [float(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers like 1,0.5,0, not {value!r}") from None
+    if not out:
+        raise argparse.ArgumentTypeError("give at least one number")
+    return out
+
+
 def positive_int(value: str) -> int:
     """An argparse type: an integer >= 1."""
     try:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from ..data import TASKS
+from .common import positive_int
 from .faithfulness_cmd import add_removal_arguments
 
 
@@ -15,6 +17,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "measure are kept (sufficiency)",
     )
     p.add_argument("--task", choices=TASKS, required=True)
+    p.add_argument("--n", type=positive_int, default=None, help="use the first N items")
+    p.add_argument("--data-dir", type=Path, default=None, help="data folder (else $CW_DATA_DIR)")
     add_removal_arguments(
         p, "skip items whose prompt plus longest option exceed N tokens (default 512)"
     )

@@ -8,16 +8,18 @@ from pathlib import Path
 from ..experiments.faithfulness import DEFAULT_MEASURES, DEFAULT_RATES
 from ..interventions import MODES, SCOPES, SINK_COSINE
 from ..measures.registry import measure_names
-from .common import add_model_arguments, positive_int
+from .common import (
+    add_corpus_arguments,
+    add_model_arguments,
+    load_corpus,
+    parse_floats,
+    positive_int,
+)
 
 
 def parse_rates(value: str) -> list[float]:
-    try:
-        rates = [float(x) for x in value.split(",") if x.strip()]
-    except ValueError:
-        msg = f"rates must be numbers like 0.1,0.2, not {value!r}"
-        raise argparse.ArgumentTypeError(msg) from None
-    if not rates or any(not 0 <= r <= 1 for r in rates):
+    rates = parse_floats(value)
+    if any(not 0 <= r <= 1 for r in rates):
         raise argparse.ArgumentTypeError(f"rates must lie in [0, 1], got {value!r}")
     return rates
 
@@ -62,8 +64,6 @@ def add_removal_arguments(p: argparse.ArgumentParser, max_tokens_help: str) -> N
         action="store_false",
         help="let sink tokens be removed too (appendix C.3)",
     )
-    p.add_argument("--n", type=int, default=None, help="use the first N texts/items")
-    p.add_argument("--data-dir", type=Path, default=None, help="data folder (else $CW_DATA_DIR)")
     p.add_argument("--out", type=Path, required=True, help="output folder")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     p.add_argument(
@@ -78,11 +78,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="comprehensiveness/sufficiency: ΔPPL when the top/bottom tokens of each measure "
         "are removed",
     )
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--dataset", choices=["gsm8k", "fineweb-edu"], help="evaluation data set")
-    src.add_argument("--texts", type=Path, help="a .jsonl file of texts (field: --field)")
-    src.add_argument("--file", type=Path, help="a .txt file (texts separated by blank lines)")
-    p.add_argument("--field", default="text", help="JSONL field holding the text (default text)")
+    add_corpus_arguments(p)
     p.add_argument("--modes", type=parse_names, default=list(MODES), help="default: both")
     p.add_argument("--scope", choices=SCOPES, default="layer", help="ranking scope")
     add_removal_arguments(
@@ -92,18 +88,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .. import data
     from ..experiments.faithfulness import FaithfulnessOptions, faithfulness
     from ..loading import load_model
 
-    if args.dataset:
-        texts = data.load_texts(args.dataset, args.n, args.data_dir)
-        source = args.dataset
-    else:
-        path = args.texts or args.file
-        texts = data.read_texts(path, field=args.field)
-        texts = texts[: args.n] if args.n else texts
-        source = str(path)
+    texts, source = load_corpus(args)
     options = FaithfulnessOptions(
         measures=args.measures,
         rates=args.rates,
