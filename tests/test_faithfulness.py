@@ -465,3 +465,20 @@ def test_cli_corpus_arguments_take_the_first_n_and_refuse_n_below_one(
     assert main([*args, "--n", "2", "--out", str(tmp_path / "o")]) == 0
     config = json.loads((tmp_path / "o" / "config.json").read_text())
     assert config["n_texts"] == 2 and config["source"] == str(f)
+
+
+def test_token_scores_by_query_blocks_equal_the_brute_force_mean():
+    from contribution_weights.measures.aggregates import later_query_mean, later_query_sums
+
+    w = torch.rand(2, 3, 7, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    brute = torch.zeros(2, 3, 7, dtype=torch.float64)
+    for j in range(7):
+        brute[..., j] = w[..., j:, j].mean(-1)
+    torch.testing.assert_close(token_scores(w), brute)
+    total = sum(later_query_sums(w[..., s : s + 3, :], s) for s in range(0, 7, 3))
+    torch.testing.assert_close(later_query_mean(total, 7), brute)
+    # scoring queries < 4 only (a prompt): keys j ≥ 4 have no later query and score 0
+    part = later_query_mean(later_query_sums(w[..., :4, :]), 4)
+    for j in range(7):
+        want = w[..., j:4, j].mean(-1) if j < 4 else torch.zeros(2, 3, dtype=torch.float64)
+        torch.testing.assert_close(part[..., j], want)

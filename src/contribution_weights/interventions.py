@@ -41,6 +41,7 @@ from torch import Tensor, nn
 
 from .capture import LayerCall, capturing
 from .families import family_for
+from .measures.aggregates import later_query_mean, later_query_sums
 from .measures.layer import LayerTensors
 from .measures.registry import get_measure
 
@@ -209,10 +210,8 @@ class SequentialRemoval:
             probs = call.probs(block, idx).to(dtype)  # only this measure's batch rows
             valid = call.valid(block, idx)
             lt = LayerTensors(probs, values, w_o, b_o, valid, gram=gram)
-            gamma = lt.masked(compute(lt))
-            total += gamma.sum(dim=2)
-        count = (limit - torch.arange(t, device=total.device)).clamp_min(1).to(dtype)
-        return total / count
+            total += later_query_sums(lt.masked(compute(lt)), start)
+        return later_query_mean(total, limit)
 
     def column_scale(self, call: LayerCall) -> Tensor | None:
         if call.batch != len(self.removals):

@@ -17,11 +17,32 @@ from .registry import get_measure
 
 def token_scores(w: Float[Tensor, "*lead h t t"]) -> Float[Tensor, "*lead h t"]:
     """``(..., H, T)``: s_j^(h) = mean over queries i ≥ j of w_ij^(h) (paper §5.1)."""
-    t = w.shape[-1]
-    lower = torch.ones(t, t, dtype=torch.bool, device=w.device).tril()
-    total = torch.where(lower, w, torch.zeros((), dtype=w.dtype, device=w.device)).sum(-2)
-    count = torch.arange(t, 0, -1, device=w.device, dtype=w.dtype)
-    return total / count
+    return later_query_mean(later_query_sums(w), w.shape[-2])
+
+
+def later_query_sums(
+    w: Float[Tensor, "*lead h i t"], first_query: int = 0
+) -> Float[Tensor, "*lead h t"]:
+    """``(..., H, T)``: Σ over the block's queries i ≥ j of w_ij (row r is query
+    ``first_query + r``).
+
+    Summing these over blocks of queries and dividing with :func:`later_query_mean` gives
+    :func:`token_scores` without holding every query at once.
+    """
+    i, t = w.shape[-2], w.shape[-1]
+    rows = torch.arange(first_query, first_query + i, device=w.device)
+    later = rows[:, None] >= torch.arange(t, device=w.device)[None, :]
+    return torch.where(later, w, torch.zeros((), dtype=w.dtype, device=w.device)).sum(-2)
+
+
+def later_query_mean(
+    sums: Float[Tensor, "*lead h t"], num_queries: int
+) -> Float[Tensor, "*lead h t"]:
+    """Sums of :func:`later_query_sums` over queries ``0 … num_queries−1`` to means: key j has
+    ``num_queries − j`` queries i ≥ j (at least 1, so keys past the queries score 0)."""
+    t = sums.shape[-1]
+    count = (num_queries - torch.arange(t, device=sums.device)).clamp_min(1).to(sums.dtype)
+    return sums / count
 
 
 def normalised(w: Float[Tensor, "*lead h i t"], measure: str) -> Float[Tensor, "*lead h i t"]:
