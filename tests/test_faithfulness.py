@@ -482,3 +482,31 @@ def test_token_scores_by_query_blocks_equal_the_brute_force_mean():
     for j in range(7):
         want = w[..., j:4, j].mean(-1) if j < 4 else torch.zeros(2, 3, dtype=torch.float64)
         torch.testing.assert_close(part[..., j], want)
+
+
+def test_intervened_logprobs_takes_any_intervention_per_chunk():
+    from contextlib import nullcontext
+
+    from contribution_weights.experiments.removal import intervened_logprobs, mean_nll
+
+    lm = tiny_model("llama")
+    ids = _ids()
+    t = ids.numel()
+    gammas = torch.tensor([1.0, 0.0, 0.5, 2.0])
+
+    def scale_for(rows):
+        scale = torch.ones(len(gammas[rows]), lm.num_heads, t)
+        scale[:, :, 0] = gammas[rows][:, None]
+        return nullcontext(FixedScale(dict.fromkeys(range(lm.num_layers), scale)))
+
+    batch = ids[None].expand(len(gammas), -1)
+    whole = intervened_logprobs(lm, batch, scale_for)
+    one_by_one = intervened_logprobs(lm, batch, scale_for, batch_size=1)
+    torch.testing.assert_close(one_by_one, whole, rtol=1e-5, atol=1e-6)
+    clean = intervened_logprobs(lm, ids[None], lambda rows: nullcontext(None))
+    torch.testing.assert_close(whole[0], clean[0], rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(whole[1], clean[0])
+    with torch.no_grad():
+        logp = torch.log_softmax(lm.model(input_ids=ids[None]).logits[0].double(), dim=-1)
+    brute = -sum(float(logp[k, ids[k + 1]]) for k in range(t - 1)) / (t - 1)
+    assert float(mean_nll(clean)[0]) == pytest.approx(brute, rel=1e-5)

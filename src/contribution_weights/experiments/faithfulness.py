@@ -27,7 +27,7 @@ from ..loading import LoadedModel
 from ..measures.registry import resolve_measures
 from ..runs import RunFolder, fingerprint
 from ..tracing import encode
-from .removal import DEFAULT_MEMORY_BYTES, token_logprobs
+from .removal import DEFAULT_MEMORY_BYTES, mean_nll, token_logprobs
 
 DEFAULT_MEASURES = ("attention", "vw", "vw_on", "ihc")
 DEFAULT_RATES = (0.1, 0.2, 0.3, 0.4, 0.5)
@@ -128,7 +128,7 @@ def sequence_rows(
         batch_size=batch_size,
         memory_bytes=memory_bytes,
     )
-    nll = (-logp.double()).mean(dim=1)
+    nll = mean_nll(logp)
     nll_clean = float(nll[0])
     out = []
     for r, value in zip(removals, nll[1:].tolist(), strict=True):

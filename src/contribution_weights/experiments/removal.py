@@ -1,20 +1,23 @@
-"""Running many removal configurations as batched forward passes.
+"""Running many intervention configurations as batched forward passes.
 
-:func:`token_logprobs` runs rows of token ids, each under its own
-:class:`~..interventions.Removal`, as one batch (batch dimension = configurations) and
-returns the log-probability of every next token. Rows are chunked automatically: the
-chunk size is estimated from the model's shapes against a memory budget, and halved
-again whenever the device still reports that it is out of memory.
+:func:`intervened_logprobs` runs rows of token ids under any
+:class:`~..capture.Intervention` (batch dimension = configurations) and returns the
+log-probability of every next token; :func:`token_logprobs` is it with one
+:class:`~..interventions.Removal` per row, and :func:`mean_nll` turns the result into a
+per-row mean NLL. Rows are chunked automatically: the chunk size is estimated from the
+model's shapes against a memory budget, and halved again whenever the device still
+reports that it is out of memory.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
 from torch import Tensor
 
-from ..capture import capturing, check_all_layers_seen
+from ..capture import Intervention, capturing, check_all_layers_seen
 from ..interventions import Removal, SequentialRemoval, tracking_sinks
 from ..loading import LoadedModel
 
@@ -42,27 +45,22 @@ def _is_oom(err: BaseException) -> bool:
     return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
 
 
+#: for rows ``start:stop`` of the batch, a context manager giving their intervention
+#: (entered around that chunk's forward, e.g. to hold hooks); None = no intervention
+InterventionFor = Callable[[slice], AbstractContextManager[Intervention | None]]
+
+
 def _forward(
-    model: LoadedModel,
-    ids: Tensor,
-    removals: Sequence[Removal],
-    eligible_len: int | None,
-    protect_sinks: bool,
-    scope: str,
-    sink_threshold: float,
+    model: LoadedModel, ids: Tensor, intervention: AbstractContextManager[Intervention | None]
 ) -> Tensor:
     ids = ids.to(model.device)
-    with torch.no_grad(), tracking_sinks(model.model, sink_threshold) as sinks:
-        intervention = SequentialRemoval(
-            removals,
-            eligible_len=eligible_len,
-            sinks=sinks,
-            protect_sinks=protect_sinks,
-            scope=scope,
-        )
-        with capturing(model.model, intervention=intervention) as session:
-            logits = model.model(input_ids=ids, use_cache=False).logits
-            check_all_layers_seen(session, model.num_layers)
+    with (
+        torch.no_grad(),
+        intervention as scale,
+        capturing(model.model, intervention=scale) as session,
+    ):
+        logits = model.model(input_ids=ids, use_cache=False).logits
+        check_all_layers_seen(session, model.num_layers)
     out = torch.empty(ids.shape[0], ids.shape[1] - 1, dtype=torch.float32)
     for b in range(ids.shape[0]):  # one row at a time keeps the log-softmax small
         logp = torch.log_softmax(logits[b, :-1].float(), dim=-1)
@@ -94,11 +92,50 @@ def token_logprobs(
             f"input_ids {tuple(input_ids.shape)} must be (rows, tokens) with one row per removal "
             f"({len(removals)})"
         )
+
+    @contextmanager
+    def removal_for(rows: slice) -> Iterator[Intervention | None]:
+        with tracking_sinks(model.model, sink_threshold) as sinks:
+            yield SequentialRemoval(
+                removals[rows],
+                eligible_len=eligible_len,
+                sinks=sinks,
+                protect_sinks=protect_sinks,
+                scope=scope,
+            )
+
+    return intervened_logprobs(
+        model, input_ids, removal_for, batch_size=batch_size, memory_bytes=memory_bytes
+    )
+
+
+def mean_nll(logprobs: Tensor) -> Tensor:
+    """``(R,)`` float64 mean next-token NLL of each row of :func:`token_logprobs` output."""
+    return (-logprobs.double()).mean(dim=-1)
+
+
+def intervened_logprobs(
+    model: LoadedModel,
+    input_ids: Tensor,
+    intervention_for: InterventionFor,
+    *,
+    batch_size: int | None = None,
+    memory_bytes: int = DEFAULT_MEMORY_BYTES,
+) -> Tensor:
+    """``(R, T-1)``: log p(token t+1 | ≤ t) of each row of ``input_ids`` ``(R, T)``, rows
+    ``start:stop`` running under the intervention ``intervention_for(slice(start, stop))``
+    gives (e.g. ``lambda rows: contextlib.nullcontext(MyScale(gammas[rows]))``).
+
+    Chunked as :func:`token_logprobs`: ``batch_size`` rows per forward (default: as many
+    as fit ``memory_bytes``), halved on out-of-memory.
+    """
+    if input_ids.ndim != 2:
+        raise ValueError(f"input_ids {tuple(input_ids.shape)} must be (rows, tokens)")
     if input_ids.shape[1] < 2:
         raise ValueError("a sequence needs at least 2 tokens to be scored")
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch_size must be at least 1 (or None for automatic), got {batch_size}")
-    rows = len(removals)
+    rows = input_ids.shape[0]
     size = (
         batch_size
         if batch_size is not None
@@ -110,13 +147,7 @@ def token_logprobs(
         stop = min(rows, start + size)
         try:
             out[start:stop] = _forward(
-                model,
-                input_ids[start:stop],
-                removals[start:stop],
-                eligible_len,
-                protect_sinks,
-                scope,
-                sink_threshold,
+                model, input_ids[start:stop], intervention_for(slice(start, stop))
             )
         except (RuntimeError, torch.OutOfMemoryError) as err:
             if not _is_oom(err) or size == 1:
