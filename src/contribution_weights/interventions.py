@@ -276,7 +276,8 @@ def global_thresholds(
 
     All (layer, head, eligible token) token scores of each measure in the clean pass are
     pooled; comprehensiveness at rate p uses their (1 − p)-quantile, sufficiency the
-    p-quantile.
+    p-quantile. Removal compares strictly (SPEC §4), so at rate 1 tokens scoring the
+    extreme itself (the clean minimum, resp. maximum) stay, unlike the layer scope.
     """
     measures = sorted({r.measure for r in removals if r.measure is not None})
     if not measures:
