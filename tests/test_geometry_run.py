@@ -53,6 +53,17 @@ def test_interrupted_run_resumes_to_the_same_tables(tmp_path, monkeypatch):
     assert set(tables["entropy"]) == {"all", "excluding_first"}
 
 
+def test_config_fingerprint_is_the_digest_older_run_folders_stored(tmp_path):
+    """Run folders written before ``runs.fingerprint`` stored the first 16 hex digits of
+    sha256 over each text plus a NUL byte; the same digest keeps them resumable."""
+    texts = ["The cat sat.", "naïve — ünïcode\n", "x"]
+    geometry_run.run_geometry(
+        tiny_model("llama"), texts, tmp_path / "run", options=OPTS, progress=False
+    )
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["texts_sha256"] == "1e019e889666ad7f"
+
+
 def test_every_output_file_is_replaced_atomically(tmp_path, monkeypatch):
     from contribution_weights.runs import RunFolder
 
@@ -167,5 +178,6 @@ def test_smollm2_end_to_end(smollm2, tmp_path):
     assert tables["sink_scaling"]["layers"], "expected some sink layers"
     assert ftw["attention"] > ftw["contribution"]
     r2 = res.log_regression_r2
+    assert r2 is not None
     assert np.isfinite(r2.to_numpy()).all()
     assert len(write_figures(res, tmp_path)) == len(FIGURES)

@@ -13,7 +13,6 @@ presentation layer's job.
 
 from __future__ import annotations
 
-import hashlib
 import io
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,19 +24,11 @@ import torch
 from tqdm.auto import tqdm
 
 from ..loading import LoadedModel
-from ..runs import RunFolder, RunFolderError
+from ..runs import RunFolder, RunFolderError, fingerprint
 from .geometry import GeometryAccumulator, GeometryOptions, encode_texts, resolve_analyses
 from .geometry_result import GeometryResult
 
 STATE_FILE = "state.pt"
-
-
-def texts_fingerprint(texts: Sequence[str]) -> str:
-    digest = hashlib.sha256()
-    for text in texts:
-        digest.update(text.encode())
-        digest.update(b"\0")
-    return digest.hexdigest()[:16]
 
 
 _NDARRAY = "__ndarray__"
@@ -110,7 +101,7 @@ def run_geometry(
         "model": model.name,
         "source": source,
         "n_texts": len(texts),
-        "texts_sha256": texts_fingerprint(texts),
+        "texts_sha256": fingerprint(texts),
         "analyses": names,
         **options.to_dict(),
     }
