@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,8 @@ import torch
 from torch import Tensor
 
 from ..capture import LayerCall
+from ..loading import LoadedModel
+from .removal import DEFAULT_MEMORY_BYTES, intervened_logprobs, mean_nll
 from .stats import BlockView, Stat
 from .streaming import Reservoir
 
@@ -257,37 +260,32 @@ class SinkValueScale:
         return scale
 
 
-def sequence_nll(logits: Tensor, ids: Tensor) -> Tensor:
-    """``(B,)`` mean next-token NLL of ``ids (T,)`` under ``logits (B, T, V)``."""
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    target = ids[1:].to(logits.device)[None, :, None].expand(logits.shape[0], -1, 1)
-    return -logp.gather(-1, target).squeeze(-1).mean(-1)
-
-
 def sink_scaling_nll(
-    model: Any,
+    model: LoadedModel,
     ids: Tensor,
     gammas: Sequence[float],
     layers: Sequence[int],
-    max_elements: int = 1 << 27,
+    *,
+    batch_size: int | None = None,
+    memory_bytes: int = DEFAULT_MEMORY_BYTES,
 ) -> list[float]:
-    """Mean NLL of one sequence for each γ (v_0 scaled by γ in ``layers``)."""
-    from ..capture import capturing, check_all_layers_seen
+    """Mean NLL of one sequence for each γ (v_0 scaled by γ in ``layers``).
 
+    One batch row per γ, run by :func:`~.removal.intervened_logprobs` (chunked to fit
+    ``memory_bytes`` unless ``batch_size`` is given, halved on out-of-memory).
+    """
     if ids.numel() < 2:
         raise ValueError("perplexity needs at least 2 tokens; pass a longer text")
-    vocab = int(model.model.get_output_embeddings().weight.shape[0])
-    per_batch = max(1, max_elements // max(1, ids.numel() * vocab))
-    out: list[float] = []
-    for start in range(0, len(gammas), per_batch):
-        chunk = torch.tensor(list(gammas[start : start + per_batch]), dtype=torch.float32)
-        scale = SinkValueScale(frozenset(int(x) for x in layers), chunk)
-        batch = ids[None].expand(len(chunk), -1).to(model.device)
-        with torch.no_grad(), capturing(model.model, intervention=scale) as session:
-            logits = model.model(input_ids=batch, use_cache=False).logits
-            check_all_layers_seen(session, model.num_layers)
-        out.extend(float(x) for x in sequence_nll(logits, ids))
-    return out
+    sink_layers = frozenset(int(x) for x in layers)
+    gamma_rows = torch.tensor([float(g) for g in gammas], dtype=torch.float32)
+    logprobs = intervened_logprobs(
+        model,
+        ids.reshape(-1)[None].expand(len(gamma_rows), -1),
+        lambda rows: nullcontext(SinkValueScale(sink_layers, gamma_rows[rows])),
+        batch_size=batch_size,
+        memory_bytes=memory_bytes,
+    )
+    return [float(x) for x in mean_nll(logprobs)]
 
 
 def detect_sink_layers(sink_rate: np.ndarray, threshold: float = 0.5) -> list[int]:
