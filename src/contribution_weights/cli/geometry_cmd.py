@@ -6,17 +6,13 @@ import argparse
 from pathlib import Path
 
 from ..experiments.geometry import ANALYSES, DEFAULT_GAMMAS
-from .common import add_model_arguments, parse_int_list
-
-
-def _floats(value: str) -> list[float]:
-    try:
-        out = [float(x) for x in value.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected numbers like 1,0.5,0, not {value!r}") from None
-    if not out:
-        raise argparse.ArgumentTypeError("give at least one number")
-    return out
+from .common import (
+    add_corpus_arguments,
+    add_model_arguments,
+    load_corpus,
+    parse_floats,
+    parse_int_list,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -25,12 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="value geometry and sinks: component regressions, first-token weight, entropy, "
         "sink alignment/scaling, norm fit, semantic cone (tables.json, tables.md, figures)",
     )
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--dataset", choices=["gsm8k", "fineweb-edu"], help="evaluation data set")
-    src.add_argument("--texts", type=Path, help="a .jsonl file of texts (field: --field)")
-    src.add_argument("--file", type=Path, help="a .txt file (texts separated by blank lines)")
-    p.add_argument("--field", default="text", help="JSONL field holding the text (default text)")
-    p.add_argument("--n", type=int, default=None, help="use the first N texts")
+    add_corpus_arguments(p)
     p.add_argument(
         "--max-tokens", type=int, default=256, help="cut texts to N tokens (default 256)"
     )
@@ -42,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--gammas",
-        type=_floats,
+        type=parse_floats,
         default=list(DEFAULT_GAMMAS),
         help=f"sink-value scales (default {','.join(map(str, DEFAULT_GAMMAS))})",
     )
@@ -56,7 +47,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--sink-threshold", type=float, default=0.5, help="sink-layer detection threshold"
     )
     p.add_argument("--seed", type=int, default=0, help="sampling and fold seed")
-    p.add_argument("--data-dir", type=Path, default=None, help="data folder (else $CW_DATA_DIR)")
     p.add_argument("--out", type=Path, required=True, help="output folder")
     p.add_argument("--resume", action="store_true", help="continue (or re-render) the run in --out")
     add_model_arguments(p)
@@ -64,27 +54,17 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .. import data
     from ..experiments.geometry import GeometryOptions, resolve_analyses
     from ..experiments.geometry_run import run_geometry
     from ..loading import load_model
     from ..presentation.geometry_plots import write_figures, write_markdown
 
     analyses = resolve_analyses(args.only)
-    if args.n is not None and args.n < 1:
-        raise ValueError(f"--n must be at least 1, not {args.n}")
     if args.max_tokens is not None and args.max_tokens < 2:
         raise ValueError(f"--max-tokens must be at least 2, not {args.max_tokens}")
     if any(not 0 <= g <= 1 for g in args.gammas):
         raise ValueError(f"--gammas must lie in [0, 1], got {args.gammas}")
-    if args.dataset:
-        texts = data.load_texts(args.dataset, args.n, args.data_dir)
-        source = args.dataset
-    else:
-        path = args.texts or args.file
-        texts = data.read_texts(path, field=args.field)
-        texts = texts[: args.n] if args.n else texts
-        source = str(path)
+    texts, source = load_corpus(args)
     options = GeometryOptions(
         max_tokens=args.max_tokens,
         cap=args.cap,
