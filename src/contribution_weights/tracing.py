@@ -74,7 +74,9 @@ class TraceRecorder:
         n, t = len(self.layers), self.num_tokens
         shape = (n, call.num_heads, t, t)
         device = call.query.device
-        self.store = {m: torch.zeros(shape, dtype=self.dtype, device=device) for m in self.measures}
+        # every traced layer writes all its rows (check_all_layers_seen fails otherwise), so
+        # the storage need not be zero-filled first: a pass over gigabytes at long context
+        self.store = {m: torch.empty(shape, dtype=self.dtype, device=device) for m in self.measures}
         self.bias_share = torch.zeros(n, t, dtype=self.dtype, device=device)
         self.degenerate = torch.zeros(n, t, dtype=torch.bool, device=device)
         self.degenerate_heads = torch.zeros(n, call.num_heads, t, dtype=torch.bool, device=device)

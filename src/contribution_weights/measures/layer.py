@@ -34,10 +34,19 @@ from torch import Tensor
 
 
 def safe_div(num: Tensor, den: Tensor) -> Tensor:
-    """``num / den`` where ``den > 0``, else 0."""
+    """``num / den`` where ``den > 0``, else 0.
+
+    Multiplies by the reciprocal of ``den``, which is usually a small broadcast shape
+    (per query or per key): one full-size pass over ``num`` instead of a division and a
+    masking pass.
+    """
+    return num * reciprocal(den)
+
+
+def reciprocal(den: Tensor) -> Tensor:
+    """``1 / den`` where ``den > 0``, else 0."""
     ok = den > 0
-    quotient = num / torch.where(ok, den, torch.ones_like(den))
-    return quotient.masked_fill_(~ok, 0)  # the mask broadcasts; no full-size zeros needed
+    return torch.where(ok, torch.where(ok, den, torch.ones_like(den)).reciprocal(), 0.0)
 
 
 def split_output_weight(weight: Float[Tensor, "d hd"], num_heads: int) -> Float[Tensor, "h d dh"]:
@@ -187,6 +196,20 @@ class LayerTensors:
         """Zero ``x`` (``(B, H, I, T)``) where the query cannot attend to the key."""
         return torch.where(self.valid[:, None], x, torch.zeros((), dtype=x.dtype, device=x.device))
 
+    def masked_(self, x: Float[Tensor, "b h i t"]) -> Float[Tensor, "b h i t"]:
+        """:meth:`masked` in place, for a tensor the caller has just created."""
+        return x.masked_fill_(~self.valid[:, None], 0)
+
+    @cached_property
+    def inv_output_norm2(self) -> Float[Tensor, "b i"]:
+        """``(B, I)``: 1/‖o_i‖² (0 where o_i = 0)."""
+        return reciprocal(self.output_norm2)
+
+    @cached_property
+    def inv_output_norm(self) -> Float[Tensor, "b i"]:
+        """``(B, I)``: 1/‖o_i‖ (0 where o_i = 0)."""
+        return reciprocal(self.output_norm)
+
 
 # ---- the measures of SPEC §2 -----------------------------------------------------------
 Weights = Float[Tensor, "b h i t"]  # one value per batch item, head, query and key
@@ -198,24 +221,26 @@ def attention(lt: LayerTensors) -> Weights:
 
 def contribution(lt: LayerTensors) -> Weights:
     """ĉ_ij^(h) = ⟨o_i, α_ij ṽ_j^(h)⟩ / ‖o_i‖²."""
-    return safe_div(lt.probs * lt.output_dot_values, lt.output_norm2[:, None, :, None])
+    c = lt.probs * lt.output_dot_values
+    return c.mul_(lt.inv_output_norm2[:, None, :, None])
 
 
 def intra(lt: LayerTensors) -> Weights:
     """č_ij^(h) = ⟨o_i^(h), α_ij ṽ_j^(h)⟩ / ‖o_i^(h)‖²."""
-    return safe_div(lt.probs * lt.head_output_dot_values, lt.head_output_norm2[..., None])
+    c = lt.probs * lt.head_output_dot_values
+    return c.mul_(reciprocal(lt.head_output_norm2)[..., None])
 
 
 def relative_norm(lt: LayerTensors) -> Weights:
     """r_ij^(h) = ‖ṽ_j^(h)‖ / ‖o_i‖."""
-    r = safe_div(lt.value_norm[:, :, None, :], lt.output_norm[:, None, :, None])
-    return lt.masked(r)
+    r = lt.value_norm[:, :, None, :] * lt.inv_output_norm[:, None, :, None]
+    return lt.masked_(r)
 
 
 def cosine(lt: LayerTensors) -> Weights:
     """κ_ij^(h) = cos(o_i, ṽ_j^(h))."""
-    den = lt.output_norm[:, None, :, None] * lt.value_norm[:, :, None, :]
-    return lt.masked(safe_div(lt.output_dot_values, den))
+    k = lt.output_dot_values * lt.inv_output_norm[:, None, :, None]
+    return lt.masked_(k.mul_(reciprocal(lt.value_norm)[:, :, None, :]))
 
 
 def vw(lt: LayerTensors) -> Weights:
@@ -225,7 +250,7 @@ def vw(lt: LayerTensors) -> Weights:
 
 def vw_on(lt: LayerTensors) -> Weights:
     """Output-normalised value-weighted attention α_ij ‖ṽ_j^(h)‖ / ‖o_i‖."""
-    return safe_div(vw(lt), lt.output_norm[:, None, :, None])
+    return vw(lt).mul_(lt.inv_output_norm[:, None, :, None])
 
 
 def ihc(lt: LayerTensors) -> Weights:
@@ -261,6 +286,6 @@ def distance(lt: LayerTensors, max_elements: int = 1 << 25) -> Weights:
                 rest = (o_block - weighted).abs().sum(-1)
                 gain = out_l1[:, None, q0:q1, None] - rest
                 result[:, h0:h1, q0:q1, k0:k1] = gain.clamp_min(0)
-    result = lt.masked(result)
+    result = lt.masked_(result)
     total = result.sum(dim=(1, 3), keepdim=True)
     return safe_div(result, total)
