@@ -46,7 +46,7 @@ test: lint typecheck browser
 	$(VENV)/bin/pytest -q
 
 bench: setup
-	$(PY) benchmarks/bench_trace.py --out bench-out
+	$(PY) benchmarks/bench_trace.py --out bench-out --threads 1
 
 clean:
 	rm -rf demo-out bench-out test-artifacts .pytest_cache .mypy_cache .ruff_cache
