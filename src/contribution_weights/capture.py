@@ -149,18 +149,25 @@ class LayerCall:
         """Per-head ``W_O`` blocks ``(H, d, d_h)``, bias and Gram matrices, in ``dtype``."""
         return self.session.output_projection(self, dtype)
 
-    def layer_tensors(self, rows: slice, probs: Tensor, dtype: torch.dtype) -> LayerTensors:
-        """The pure-maths view of this layer for a block of queries, in ``dtype``."""
+    def layer_tensors(
+        self, rows: slice, probs: Tensor, dtype: torch.dtype, batch: Tensor | None = None
+    ) -> LayerTensors:
+        """The pure-maths view of this layer for a block of queries, in ``dtype``.
+
+        ``batch`` selects batch rows (``probs`` must then hold just those rows), as for
+        :meth:`probs` and :meth:`valid`.
+        """
         w_o, b_o, gram = self.output_blocks(dtype)
         states = None
         if self.block is not None and self.block[0] is probs and self.block[1].dtype == dtype:
             states = self.block[1]  # reuse α @ v computed for the model's output
+        values = self.value if batch is None else self.value.index_select(0, batch)
         return LayerTensors(
             probs.to(dtype),
-            self.value.to(dtype),
+            values.to(dtype),
             w_o,
             b_o,
-            self.valid(rows),
+            self.valid(rows, batch),
             gram=gram,
             head_states=states,
         )
@@ -218,9 +225,6 @@ class CaptureSession:
         call.block = None
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
         return out.transpose(1, 2).contiguous()
-
-    def reset(self) -> None:
-        self.layers_seen.clear()
 
 
 def _layer_index(module: nn.Module) -> int:

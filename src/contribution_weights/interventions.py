@@ -42,7 +42,6 @@ from torch import Tensor, nn
 from .capture import LayerCall, capturing
 from .families import family_for
 from .measures.aggregates import later_query_mean, later_query_sums
-from .measures.layer import LayerTensors
 from .measures.registry import get_measure
 
 MODES = ("comprehensiveness", "sufficiency")
@@ -197,8 +196,6 @@ class SequentialRemoval:
         h, t = call.num_heads, call.k_len
         limit = t if self.eligible_len is None else min(t, self.eligible_len)
         dtype = self.compute_dtype
-        w_o, b_o, gram = call.output_blocks(dtype)
-        values = call.value.index_select(0, idx).to(dtype)
         total = torch.zeros(len(rows), h, t, dtype=dtype, device=call.query.device)
         # bytes per query row: (n, H, Tk) elements of dtype, times the (n, H, I, Tk) tensors
         # the measure maths holds at once (α, ⟨o, ṽ⟩, γ, its masked copy, temporaries)
@@ -207,9 +204,8 @@ class SequentialRemoval:
         compute = get_measure(measure).compute
         for start in range(0, limit, step):
             block = slice(start, min(limit, start + step))
-            probs = call.probs(block, idx).to(dtype)  # only this measure's batch rows
-            valid = call.valid(block, idx)
-            lt = LayerTensors(probs, values, w_o, b_o, valid, gram=gram)
+            probs = call.probs(block, idx)  # only this measure's batch rows
+            lt = call.layer_tensors(block, probs, dtype, batch=idx)
             total += later_query_sums(lt.masked(compute(lt)), start)
         return later_query_mean(total, limit)
 
