@@ -14,8 +14,8 @@ from reference import allowed, eager_run, window
 
 import contribution_weights as cw
 from contribution_weights.capture import capturing
+from contribution_weights.inputs import encode
 from contribution_weights.loading import cache_dir
-from contribution_weights.tracing import encode
 
 pytestmark = pytest.mark.slow
 

@@ -21,10 +21,11 @@ from .experiments.faithfulness import FaithfulnessResult, faithfulness
 from .experiments.geometry import GeometryOptions, GeometryResult
 from .experiments.geometry_run import run_geometry
 from .families import FamilySpec, UnsupportedModelError, register_family, supported_families
+from .inputs import InputError
 from .loading import LoadedModel, ModelLoadError, load_model
 from .measures import Measure, get_measure, measure_names, register_measure
 from .results import Trace
-from .tracing import InputError, TraceOptions, trace
+from .tracing import TraceOptions, trace
 
 __version__ = "0.1.0"
 

@@ -17,15 +17,12 @@ import torch
 from torch import Tensor
 
 from .capture import DEFAULT_BLOCK_BYTES, LayerCall, capturing, check_all_layers_seen
+from .inputs import InputError, encode, resolve_layers, token_strings
 from .loading import LoadedModel
 from .measures.registry import get_measure, resolve_measures
 from .results import Trace
 
 _COMPUTE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
-
-
-class InputError(ValueError):
-    """Bad input to a trace: the message says what is wrong and how to fix it."""
 
 
 @dataclass
@@ -99,53 +96,6 @@ class TraceRecorder:
         self.zero_values[pos] = lt.zero_values[0]
         if self.progress is not None and rows.stop == call.q_len:
             self.progress.update(1)
-
-
-def resolve_layers(layers: Sequence[int] | None, num_layers: int) -> list[int]:
-    if layers is None:
-        return list(range(num_layers))
-    out: list[int] = []
-    for layer in layers:
-        idx = layer + num_layers if layer < 0 else layer
-        if not 0 <= idx < num_layers:
-            raise InputError(
-                f"layer {layer} is out of range: the model has {num_layers} layers "
-                f"(valid: 0..{num_layers - 1}, or negative from the end)"
-            )
-        if idx not in out:
-            out.append(idx)
-    return sorted(out)
-
-
-def encode(
-    model: LoadedModel, text: str | Sequence[int] | Tensor, max_tokens: int | None, truncate: bool
-) -> Tensor:
-    """Token ids ``(T,)`` for a text or ids, checked against the length limit."""
-    if isinstance(text, str):
-        if not text.strip():
-            raise InputError("the text is empty; pass some text to trace")
-        ids = torch.tensor(model.tokenizer(text, add_special_tokens=True)["input_ids"])
-    else:
-        ids = torch.as_tensor(text, dtype=torch.long).reshape(-1)
-    if ids.numel() == 0:
-        raise InputError("no tokens to trace; pass a non-empty text or id list")
-    if max_tokens is not None and max_tokens < 1:
-        raise InputError(f"max_tokens must be at least 1, not {max_tokens}")
-    limit = max_tokens or model.max_positions
-    if limit is not None and ids.numel() > limit:
-        if not truncate:
-            what = "--max-tokens" if max_tokens else "the model's context length"
-            raise InputError(
-                f"the text has {ids.numel()} tokens, more than {limit} ({what}); "
-                "pass truncate=True (CLI: --truncate) to keep the first "
-                f"{limit} tokens, or shorten the text"
-            )
-        ids = ids[:limit]
-    return ids
-
-
-def token_strings(model: LoadedModel, ids: Tensor) -> list[str]:
-    return [model.tokenizer.decode([int(i)]) for i in ids]
 
 
 def trace(

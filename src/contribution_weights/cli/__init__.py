@@ -33,9 +33,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     from ..capture import CaptureError
+    from ..inputs import InputError
     from ..loading import ModelLoadError
     from ..runs import RunFolderError
-    from ..tracing import InputError
 
     expected = (InputError, ModelLoadError, RunFolderError, CaptureError, ValueError)
     try:

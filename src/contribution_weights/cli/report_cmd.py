@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         if layers is not None:
             total = int(result.meta.get("num_layers", 0))
             if total:  # else write_report names the traced layers for a bad index
-                from ..tracing import resolve_layers
+                from ..inputs import resolve_layers
 
                 layers = resolve_layers(layers, total)
     else:

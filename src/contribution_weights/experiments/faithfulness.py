@@ -22,11 +22,11 @@ import pandas as pd
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from ..inputs import encode
 from ..interventions import CLEAN, MODES, SCOPES, SINK_COSINE, Removal, global_thresholds
 from ..loading import LoadedModel
 from ..measures.registry import resolve_measures
 from ..runs import RunFolder, fingerprint
-from ..tracing import encode
 from .removal import DEFAULT_MEMORY_BYTES, mean_nll, token_logprobs
 
 DEFAULT_MEASURES = ("attention", "vw", "vw_on", "ihc")

@@ -34,8 +34,8 @@ import torch
 from torch import Tensor
 
 from ..capture import LayerCall, capturing, check_all_layers_seen
+from ..inputs import encode, resolve_layers
 from ..loading import LoadedModel
-from ..tracing import encode, resolve_layers
 from .geometry_result import GeometryResult, SinkScalingResult, build_result
 from .sinks import NormFit, SemanticCone, detect_sink_layers, sink_scaling_nll
 from .stats import (
