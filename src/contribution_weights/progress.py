@@ -23,7 +23,6 @@ def _tqdm_class() -> Any:
     if shell is not None and type(shell).__name__ == "ZMQInteractiveShell":
         try:
             import ipywidgets  # noqa: F401
-
             from tqdm.notebook import tqdm as notebook_tqdm
 
             return notebook_tqdm
