@@ -143,10 +143,12 @@ def test_measures_match_reference(family_model, dtype, rtol, floor):
 
 
 def check_identities_and_sums(tr: cw.Trace, loaded: cw.LoadedModel) -> None:
-    a, c, r, k = tr["attention"], tr["contribution"], tr["relative_norm"], tr["cosine"]
+    a, c, r, k = (tr[m].tensor() for m in ("attention", "contribution", "relative_norm", "cosine"))
     torch.testing.assert_close(c, a * r * k, rtol=1e-10, atol=1e-12)  # ĉ = α r κ
-    torch.testing.assert_close(tr["vw_on"], a * r, rtol=1e-10, atol=1e-12)  # α‖ṽ‖/‖o‖ = α r
-    torch.testing.assert_close(tr["ihc"], c.abs(), rtol=0, atol=0)
+    torch.testing.assert_close(
+        tr["vw_on"].tensor(), a * r, rtol=1e-10, atol=1e-12
+    )  # α‖ṽ‖/‖o‖ = α r
+    torch.testing.assert_close(tr["ihc"].tensor(), c.abs(), rtol=0, atol=0)
     torch.testing.assert_close(c.sum(dim=(1, 3)), 1 - tr.bias_share, rtol=0, atol=1e-10)
     intra_sum = tr["intra"].sum(-1)
     torch.testing.assert_close(intra_sum, torch.ones_like(intra_sum), rtol=0, atol=1e-10)
@@ -172,7 +174,7 @@ def test_layer_subset_matches_reference():
 
 # ---- degenerate rows ----------------------------------------------------------------------------
 def _assert_finite(tr: cw.Trace) -> None:
-    for name, t in tr.measures.items():
+    for name, t in ((n, tr[n].tensor()) for n in tr.measures):
         assert torch.isfinite(t).all(), name
     assert torch.isfinite(tr.bias_share).all()
 
@@ -185,7 +187,7 @@ def test_zero_output_projection_gives_zeros_and_flags(family_model):
             proj.weight.zero_()
             if proj.bias is not None:
                 proj.bias.zero_()
-    tr = cw.trace(family_model, IDS, measures="all")
+    tr = cw.trace(family_model, IDS, measures=cw.measure_names())
     _assert_finite(tr)
     assert tr.degenerate.all()
     assert tr.degenerate_heads is not None and tr.degenerate_heads.all()
@@ -203,7 +205,7 @@ def test_zero_values_leave_only_the_bias():
         for layer in model.model.layers:
             layer.self_attn.v_proj.weight.zero_()
             layer.self_attn.v_proj.bias.zero_()
-    tr = cw.trace(loaded, IDS, measures="all", compute_dtype="float64")
+    tr = cw.trace(loaded, IDS, measures=cw.measure_names(), compute_dtype="float64")
     _assert_finite(tr)
     assert not tr.degenerate.any()
     assert tr.degenerate_heads is not None and tr.degenerate_heads.all()
@@ -219,7 +221,7 @@ def test_query_blocks_give_the_same_measures(family_model):
     one = cw.trace(family_model, IDS, measures="all", compute_dtype="float64")
     tiny = cw.trace(family_model, IDS, measures="all", compute_dtype="float64", block_bytes=1)
     for name in one.measures:
-        torch.testing.assert_close(tiny[name], one[name], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(tiny[name].tensor(), one[name].tensor(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(tiny.bias_share, one.bias_share, rtol=1e-5, atol=1e-6)
 
 
@@ -230,7 +232,7 @@ def test_query_blocks_float32(family):
     one = cw.trace(loaded, IDS, measures="all")
     tiny = cw.trace(loaded, IDS, measures="all", block_bytes=1)
     for name in one.measures:
-        torch.testing.assert_close(tiny[name], one[name], rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(tiny[name].tensor(), one[name].tensor(), rtol=1e-5, atol=1e-4)
 
 
 def test_block_bytes_bounds_the_blocks():
@@ -263,7 +265,7 @@ def test_batch_dimension(family_model):
             for name in names:
                 assert_close_rel(rec.joined(layer, name)[b], ref[name], 1e-5, f"{name} b={b}")
                 got = blocked.joined(layer, name)[b]
-                torch.testing.assert_close(got, ref[name], rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(got, ref[name], rtol=1e-5, atol=5e-6)
             got = rec.joined(layer, "bias_share")[b]
             torch.testing.assert_close(got, ref["bias_share"], rtol=0, atol=1e-10)
 
@@ -273,7 +275,7 @@ def test_bf16_model_gives_float32_measures(family):
     loaded = tiny_model(family, dtype=torch.bfloat16)
     tr = cw.trace(loaded, IDS, measures="all")
     assert tr.meta["model_dtype"] == "bfloat16"
-    for name, t in tr.measures.items():
+    for name, t in ((n, tr[n].tensor()) for n in tr.measures):
         assert t.dtype == torch.float32, name
         assert torch.isfinite(t).all(), name
     intra_sum = tr["intra"].sum(-1)

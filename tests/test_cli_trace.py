@@ -22,7 +22,7 @@ def test_trace_writes_all_outputs(tiny_folder, tmp_path, capsys):
     text = "The cat sat on the mat."
     code = main(["trace", "--text", text, "--model", str(tiny_folder), "--out", str(out)])
     assert code == 0
-    for name in ["trace.safetensors", "tokens.json", "summary.json", "heatmaps.png"]:
+    for name in ["vectors.safetensors", "tokens.json", "summary.json", "heatmaps.png"]:
         assert (out / name).stat().st_size > 0, name
     assert (out / "first_token_weight.png").stat().st_size > 0
     tokens = json.loads((out / "tokens.json").read_text())
@@ -39,15 +39,17 @@ def test_trace_writes_all_outputs(tiny_folder, tmp_path, capsys):
 
     from safetensors.torch import load_file
 
-    tensors = load_file(str(out / "trace.safetensors"))
-    assert tensors["contribution"].dtype == torch.float32
-    assert tensors["contribution"].shape == (2, 4, t, t)
-    assert tensors["bias_share"].shape == (2, t)
-    # the saved trace reloads and equals a fresh trace of the same text
+    shard = load_file(str(out / "maps" / "layer-000.safetensors"))
+    assert set(shard) == {"attention", "contribution", "intra", "cosine"}  # the rest is derived
+    assert shard["contribution"].dtype == torch.float32
+    assert shard["contribution"].shape == (4, t * (t + 1) // 2)  # packed lower triangles
+    assert load_file(str(out / "vectors.safetensors"))["bias_share"].shape == (2, t)
+    # the streamed trace reloads and equals an in-memory trace of the same text, bit for bit
     reloaded = cw.Trace.load(out)
     fresh = cw.trace(model, "The cat sat on the mat.")
+    assert reloaded.measures == fresh.measures
     for name in fresh.measures:
-        torch.testing.assert_close(reloaded[name], fresh[name])
+        assert torch.equal(reloaded[name].tensor(), fresh[name].tensor()), name
     assert reloaded.tokens == fresh.tokens and reloaded.layers == [0, 1]
     for flag in ("degenerate", "degenerate_heads", "zero_values"):
         assert torch.equal(getattr(reloaded, flag), getattr(fresh, flag)), flag

@@ -436,4 +436,5 @@ def test_statistics_do_not_depend_on_query_blocks(monkeypatch):
         np.testing.assert_allclose(
             getattr(blocks, table), getattr(whole, table), rtol=RTOL, atol=ATOL
         )
-    np.testing.assert_allclose(blocks.correlations, whole.correlations, rtol=1e-6)
+    # float32 scores differ in the last bit between block shapes (GEMM tiling)
+    np.testing.assert_allclose(blocks.correlations, whole.correlations, rtol=1e-5)

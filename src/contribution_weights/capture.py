@@ -21,7 +21,10 @@ other threads or tasks do not see each other. Per layer the function builds a
   attention columns (``(B, H, T_k)``; multiplying column j by 0 removes ṽ_j from every
   query, SPEC §4), and
 * :class:`Observer` objects, shown each block of queries with the probabilities that
-  were actually used.
+  were actually used. An observer may say which layers it wants (``wants(layer_idx)``);
+  a layer that no observer wants and that no intervention changes is sent to the
+  model's own sdpa kernel (``skipped(call)`` tells the observers), so tracing three
+  layers of thirty costs little more than a plain forward.
 
 Queries are processed in blocks (all at once when they fit in ``block_bytes``), so
 memory per layer stays bounded at long context and no ``(H, T, T)`` tensor outlives its
@@ -31,6 +34,7 @@ layer unless an observer keeps it.
 from __future__ import annotations
 
 import contextvars
+import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -43,7 +47,7 @@ from .families import FamilySpec, UnsupportedModelError, family_for
 from .measures.layer import LayerTensors, split_output_weight
 
 ATTN_IMPLEMENTATION = "contribution_weights"
-DEFAULT_BLOCK_BYTES = 512 * 1024**2
+DEFAULT_BLOCK_BYTES = 128 * 1024**2
 
 _ACTIVE: contextvars.ContextVar[CaptureSession | None] = contextvars.ContextVar(
     "contribution_weights_session", default=None
@@ -114,21 +118,42 @@ class LayerCall:
         if batch is not None:
             query, key = query.index_select(0, batch), key.index_select(0, batch)
         keys = self._expanded(key)
-        scores = torch.matmul(query, keys.transpose(2, 3)) * self.scaling
-        if self.softcap is not None:
-            scores = torch.tanh(scores / self.softcap) * self.softcap
         mask = self.attention_mask
         if mask is not None:
             mask = mask[:, :, rows, : self.k_len]
             if batch is not None and mask.shape[0] > 1:
                 mask = mask.index_select(0, batch)
-            if mask.dtype == torch.bool:
-                scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-            else:
-                scores = scores + mask
+        scores = self._fused_scores(query, keys, mask)
+        if scores is None:
+            scores = torch.matmul(query, keys.transpose(2, 3)) * self.scaling
+            if self.softcap is not None:
+                scores = torch.tanh(scores / self.softcap) * self.softcap
+            if mask is not None:
+                if mask.dtype == torch.bool:
+                    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+                else:
+                    scores = scores + mask
         if self.spec.softmax_float32:
             return nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(self.query.dtype)
         return nn.functional.softmax(scores, dim=-1).type(self.value.dtype)
+
+    def _fused_scores(self, query: Tensor, keys: Tensor, mask: Tensor | None) -> Tensor | None:
+        """``scaling · QKᵀ + mask`` in one ``baddbmm``, where that is exactly eager's
+        ``(QKᵀ · scaling) + mask``: a power-of-two scaling (exact, so one rounding either
+        way), no soft-cap, one sequence and an additive mask. Else None."""
+        if self.softcap is not None or mask is None or mask.dtype != query.dtype:
+            return None
+        if query.shape[0] != 1 or mask.shape[0] != 1 or math.frexp(self.scaling)[0] != 0.5:
+            return None
+        _, h, i, d = query.shape
+        t = keys.shape[2]
+        scores = torch.baddbmm(
+            mask[0],
+            query.reshape(h, i, d),
+            keys.reshape(h, t, d).transpose(1, 2),
+            alpha=self.scaling,
+        )
+        return scores.view(1, h, i, t)
 
     def valid(self, rows: slice, batch: Tensor | None = None) -> Tensor:
         """``(B, I, Tk)`` bool: where each query may attend (``batch``: those rows only)."""
@@ -174,7 +199,18 @@ class LayerCall:
 
 
 class Observer(Protocol):
+    """Shown each block of queries of each layer it wants.
+
+    Optional methods, looked up with ``getattr``: ``wants(layer_idx) -> bool`` (default:
+    every layer) and ``skipped(call)``, called for a layer that ran without observation.
+    """
+
     def observe(self, call: LayerCall, rows: slice, probs: Tensor) -> None: ...
+
+
+def _wants(observer: Observer, layer_idx: int) -> bool:
+    wants = getattr(observer, "wants", None)
+    return True if wants is None else bool(wants(layer_idx))
 
 
 class Intervention(Protocol):
@@ -210,6 +246,13 @@ class CaptureSession:
 
     def attend(self, call: LayerCall) -> Tensor:
         self.layers_seen.append(call.layer_idx)
+        if (
+            self.intervention is None
+            and self.observers
+            and call.softcap is None
+            and not any(_wants(o, call.layer_idx) for o in self.observers)
+        ):
+            return self._unobserved(call)
         scale = self.intervention.column_scale(call) if self.intervention is not None else None
         values = call._expanded(call.value)
         outputs = []
@@ -225,6 +268,25 @@ class CaptureSession:
         call.block = None
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
         return out.transpose(1, 2).contiguous()
+
+    def _unobserved(self, call: LayerCall) -> Tensor:
+        """A layer nobody observes or changes: the model's own sdpa kernel."""
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        out, _ = sdpa_attention_forward(
+            call.module,
+            call.query,
+            call.key,
+            call.value,
+            call.attention_mask,
+            dropout=0.0,
+            scaling=call.scaling,
+        )
+        for observer in self.observers:
+            skipped = getattr(observer, "skipped", None)
+            if skipped is not None:
+                skipped(call)
+        return out
 
 
 def _layer_index(module: nn.Module) -> int:

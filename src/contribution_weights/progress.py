@@ -15,7 +15,7 @@ DEFAULT_DELAY = 2.0
 
 def _tqdm_class() -> Any:
     try:
-        from IPython import get_ipython  # type: ignore[attr-defined]
+        from IPython import get_ipython
 
         shell = get_ipython()
     except ImportError:

@@ -1,17 +1,30 @@
-"""``trace``: one forward pass that records every requested measure, per layer and head.
+"""``trace``: one forward pass that records the requested measures, per layer and head.
 
 The forward runs under :func:`~.capture.capturing` with a :class:`TraceRecorder`
 observer. For each traced layer and block of queries the recorder builds the pure-maths
-:class:`~.measures.layer.LayerTensors` in the compute dtype (float32 by default, even
-for bf16/fp16 models) and writes each measure into a preallocated ``(L, H, T, T)``
-tensor. Layers that are not traced cost nothing beyond eager attention.
+:class:`~.measures.layer.LayerTensors` in the compute dtype (float32 by default, even for
+bf16/fp16 models) and
+
+* writes the *stored* measures (:func:`~.measures.registry.stored_measures`) into a map
+  store: in memory (:class:`~.storage.DenseMaps`) or, with ``out=DIR``, straight to disk
+  (:class:`~.storage.PackedMaps`), so that peak memory is about one block of one layer;
+* with ``maps=False``, or when streaming, folds every requested measure into per-(layer,
+  head) reductions (:mod:`~.measures.reductions`) instead of or beside the maps;
+* keeps the per-layer vectors (norms, flags, bias share) derived measures are read from.
+
+Layers that are not traced go to the model's own sdpa kernel. Before anything is
+allocated, :func:`plan_memory` estimates what the trace needs and refuses, with the
+options that would fit, when it would not (:class:`MemoryPreflightError`).
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, overload
 
 import torch
 from torch import Tensor
@@ -19,10 +32,16 @@ from torch import Tensor
 from .capture import DEFAULT_BLOCK_BYTES, LayerCall, capturing, check_all_layers_seen
 from .inputs import InputError, encode, resolve_layers, token_strings
 from .loading import LoadedModel
-from .measures.registry import get_measure, resolve_measures
-from .results import Trace
+from .measures.reductions import DEFAULT_TOP_K, ReductionAccumulator
+from .measures.registry import get_measure, resolve_measures, stored_measures
+from .results import Trace, prepare_folder, write_metadata
+from .storage import DenseMaps, MapStore, PackedMaps, dtype_name, storage_dtype
 
 _COMPUTE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+class MemoryPreflightError(InputError):
+    """A trace would not fit in memory or on disk; the message lists options that fit."""
 
 
 @dataclass
@@ -30,12 +49,17 @@ class TraceOptions:
     """Options shared by :func:`trace` and ``cw trace``.
 
     Attributes:
-        measures: ``"all"`` or measure names (see ``cw measures``).
+        measures: ``"all"`` (every measure but ``distance`` and ``ihc``) or names.
         layers: model layers to trace (negative indices count from the end); None = all.
         max_tokens: longest sequence accepted; default: the model's context length.
         truncate: keep the first ``max_tokens`` tokens of a longer text instead of failing.
         compute_dtype: ``"float32"`` (default) or ``"float64"``.
         block_bytes: memory bound for one block of attention scores per layer.
+        maps: keep the ``T × T`` maps (False: only per-(layer, head) reductions).
+        storage_dtype: dtype the maps are kept in (default: the compute dtype);
+            ``"float16"``/``"bfloat16"`` halve memory and disk.
+        top_k: keys kept per query in the reductions.
+        memory_limit: bytes the trace may use (default: the memory available now).
     """
 
     measures: str | Sequence[str] = "all"
@@ -44,6 +68,10 @@ class TraceOptions:
     truncate: bool = False
     compute_dtype: str = "float32"
     block_bytes: int = DEFAULT_BLOCK_BYTES
+    maps: bool = True
+    storage_dtype: str | None = None
+    top_k: int = DEFAULT_TOP_K
+    memory_limit: int | None = None
 
     def as_kwargs(self) -> dict[str, Any]:
         return asdict(self)
@@ -51,56 +79,295 @@ class TraceOptions:
 
 @dataclass
 class TraceRecorder:
-    """Observer writing the requested measures of the traced layers into tensors."""
+    """Observer writing the traced layers' stored maps, reductions and vectors."""
 
     measures: list[str]
     layers: list[int]
     num_tokens: int
     dtype: torch.dtype
-    store: dict[str, Tensor] = field(default_factory=dict)
-    bias_share: Tensor | None = None
-    degenerate: Tensor | None = None
-    degenerate_heads: Tensor | None = None
-    zero_values: Tensor | None = None
-    progress: Any = None  # a tqdm bar advanced once per finished traced layer
+    store: MapStore | None = None
+    reducer: ReductionAccumulator | None = None
+    vectors: dict[str, Tensor] = field(default_factory=dict)
+    progress: Any = None  # a bar advanced once per block of queries
+    blocks_per_layer: int = 1
 
     def __post_init__(self) -> None:
         self._position = {layer: pos for pos, layer in enumerate(self.layers)}
+        self.stored = list(self.store.names) if self.store is not None else []
+
+    def wants(self, layer_idx: int) -> bool:
+        return layer_idx in self._position
+
+    def skipped(self, call: LayerCall) -> None:
+        if self.progress is not None:
+            self.progress.update(self.blocks_per_layer)
 
     def _allocate(self, call: LayerCall) -> None:
-        n, t = len(self.layers), self.num_tokens
-        shape = (n, call.num_heads, t, t)
-        device = call.query.device
-        # every traced layer writes all its rows (check_all_layers_seen fails otherwise), so
-        # the storage need not be zero-filled first: a pass over gigabytes at long context
-        self.store = {m: torch.empty(shape, dtype=self.dtype, device=device) for m in self.measures}
-        self.bias_share = torch.zeros(n, t, dtype=self.dtype, device=device)
-        self.degenerate = torch.zeros(n, t, dtype=torch.bool, device=device)
-        self.degenerate_heads = torch.zeros(n, call.num_heads, t, dtype=torch.bool, device=device)
-        self.zero_values = torch.zeros(n, call.num_heads, t, dtype=torch.bool, device=device)
+        n, h, t = len(self.layers), call.num_heads, self.num_tokens
+        device, dtype = call.query.device, self.dtype
+        self.vectors = {
+            "bias_share": torch.zeros(n, t, dtype=dtype, device=device),
+            "degenerate": torch.zeros(n, t, dtype=torch.bool, device=device),
+            "degenerate_heads": torch.zeros(n, h, t, dtype=torch.bool, device=device),
+            "zero_values": torch.zeros(n, h, t, dtype=torch.bool, device=device),
+            "value_norm": torch.zeros(n, h, t, dtype=dtype, device=device),
+            "output_norm": torch.zeros(n, t, dtype=dtype, device=device),
+            "key_start": torch.zeros(n, t, dtype=torch.int32, device=device),
+            "key_stop": torch.zeros(n, t, dtype=torch.int32, device=device),
+        }
 
     def observe(self, call: LayerCall, rows: slice, probs: Tensor) -> None:
         pos = self._position.get(call.layer_idx)
         if pos is None:
             return
-        if not self.store:
+        if not self.vectors:
             self._allocate(call)
         lt = call.layer_tensors(rows, probs, self.dtype)
-        for name in self.measures:
-            self.store[name][pos, :, rows] = get_measure(name).compute(lt)[0]
-        assert self.bias_share is not None and self.degenerate is not None
-        assert self.degenerate_heads is not None and self.zero_values is not None
-        self.bias_share[pos, rows] = lt.bias_share[0]
-        self.degenerate[pos, rows] = lt.degenerate[0]
-        self.degenerate_heads[pos, :, rows] = lt.degenerate_heads[0]
-        self.zero_values[pos] = lt.zero_values[0]
-        if self.progress is not None and rows.stop == call.q_len:
+        valid = lt.valid[0]
+        start, stop = _key_range(valid, call.layer_idx, rows)
+        v = self.vectors
+        v["key_start"][pos, rows] = start
+        v["key_stop"][pos, rows] = stop
+        if isinstance(self.store, PackedMaps) and rows.start == 0:
+            self.store.start_layer(
+                pos,
+                causal=bool((stop <= torch.arange(1, stop.numel() + 1, device=stop.device)).all()),
+            )
+        computed: dict[str, Tensor] = {}
+        for name in self.stored:
+            computed[name] = get_measure(name).compute(lt)[0]
+            assert self.store is not None
+            self.store.write(name, pos, rows, computed[name])
+        if self.reducer is not None:
+            for name in self.measures:
+                w = computed.get(name)
+                if w is None:
+                    w = get_measure(name).compute(lt)[0]
+                self.reducer.add(name, pos, rows.start, w)
+        v["bias_share"][pos, rows] = lt.bias_share[0]
+        v["degenerate"][pos, rows] = lt.degenerate[0]
+        v["degenerate_heads"][pos, :, rows] = lt.degenerate_heads[0]
+        v["output_norm"][pos, rows] = lt.output_norm[0]
+        if rows.start == 0:
+            v["zero_values"][pos] = lt.zero_values[0]
+            v["value_norm"][pos] = lt.value_norm[0]
+        if isinstance(self.store, PackedMaps) and rows.stop == call.q_len:
+            self.store.finish_layer(pos)
+        if self.progress is not None:
             self.progress.update(1)
+
+
+def _key_range(valid: Tensor, layer: int, rows: slice) -> tuple[Tensor, Tensor]:
+    """Per query, the first and one-past-last key it may attend to; the keys between must
+    all be allowed (causal and sliding-window masks are; others are refused)."""
+    t = valid.shape[-1]
+    count = valid.sum(-1)
+    start = valid.int().argmax(-1)
+    stop = t - valid.flip(-1).int().argmax(-1)
+    stop = torch.where(count > 0, stop, start)
+    if not bool((stop - start == count).all()):
+        from .capture import CaptureError
+
+        raise CaptureError(
+            f"layer {layer}: some query attends to keys that are not one contiguous range "
+            "(a padded or packed batch?); trace one unpadded sequence at a time"
+        )
+    return start.to(torch.int32), stop.to(torch.int32)
+
+
+# ---- memory preflight ---------------------------------------------------------------------
+@dataclass
+class MemoryPlan:
+    """What a trace will hold, in bytes (estimates; see :func:`plan_memory`)."""
+
+    maps_memory: int
+    maps_disk: int
+    reductions: int
+    working: int
+
+    @property
+    def memory(self) -> int:
+        return self.maps_memory + self.reductions + self.working
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.0f} MB"
+
+
+def plan_memory(
+    model: LoadedModel,
+    num_tokens: int,
+    measures: list[str],
+    num_layers: int,
+    *,
+    maps: bool,
+    streamed: bool,
+    storage: torch.dtype,
+    compute: torch.dtype,
+    top_k: int,
+    block_bytes: int,
+    reductions: bool,
+) -> MemoryPlan:
+    """Estimate the bytes a trace needs: maps (in memory or on disk), reductions, and the
+    working set of the forward (one block of queries and the model's activations)."""
+    cfg = model.config
+    heads = int(getattr(cfg, "num_attention_heads", 1))
+    kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    hidden = int(getattr(cfg, "hidden_size", 0) or 0)
+    head_dim = int(getattr(cfg, "head_dim", None) or (hidden // max(1, heads)))
+    ffn = int(getattr(cfg, "intermediate_size", None) or 4 * hidden)
+    t = num_tokens
+    stored = stored_measures(measures) if maps else []
+    size = torch.empty((), dtype=storage).element_size()
+    csize = torch.empty((), dtype=compute).element_size()
+    per_map = num_layers * heads * t * t * size
+    packed = num_layers * heads * (t * (t + 1) // 2) * size
+    maps_memory = 0 if (streamed or not maps) else per_map * len(stored)
+    maps_disk = packed * len(stored) if (streamed and maps) else 0
+    red = 0
+    if reductions:
+        red = len(measures) * num_layers * heads * t * (5 * csize + top_k * (csize + 4))
+    per_row = heads * t * 8
+    rows = max(1, min(t, block_bytes // max(1, per_row)))
+    block = rows * heads * t * csize
+    temps = 6 + len(stored) + (len(measures) if reductions else 0)
+    activations = t * (hidden * 8 + ffn * 4 + (heads + 2 * kv) * head_dim * 3) * 4
+    vectors = num_layers * heads * t * 16
+    return MemoryPlan(maps_memory, maps_disk, red, block * temps + activations + vectors)
+
+
+def available_memory(device: torch.device | str) -> int:
+    """Bytes free now: the accelerator's free memory, or the host's available memory."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def _preflight(
+    model: LoadedModel,
+    num_tokens: int,
+    names: list[str],
+    layers: list[int],
+    out: Path | None,
+    maps: bool,
+    storage: torch.dtype,
+    compute: torch.dtype,
+    top_k: int,
+    block_bytes: int,
+    limit: int | None,
+) -> None:
+    def plan(**change: Any) -> MemoryPlan:
+        args: dict[str, Any] = dict(
+            maps=maps,
+            streamed=out is not None,
+            storage=storage,
+            compute=compute,
+            top_k=top_k,
+            block_bytes=block_bytes,
+            reductions=not maps or out is not None,
+        )
+        args.update(change)
+        n_layers = args.pop("num_layers", len(layers))
+        measures = args.pop("measures", names)
+        return plan_memory(model, num_tokens, measures, n_layers, **args)
+
+    budget = int(0.9 * (limit if limit is not None else available_memory(model.device)))
+    need = plan()
+    disk_free = shutil.disk_usage(_existing_parent(out)).free if out is not None else None
+    fits_memory = need.memory <= budget
+    fits_disk = disk_free is None or need.maps_disk <= 0.95 * disk_free
+    if fits_memory and fits_disk:
+        return
+    options = []
+    for label, change in (
+        ("--out DIR (stream the maps to disk)", dict(streamed=True, reductions=True)),
+        ("--no-maps (reductions only)", dict(maps=False, streamed=False, reductions=True)),
+        (
+            "--storage-dtype float16",
+            dict(storage=torch.float16),
+        ),
+        ("--measures contribution", dict(measures=["contribution"])),
+        ("--layers with 3 layers", dict(num_layers=min(3, len(layers)))),
+    ):
+        alt = plan(**change)
+        disk_ok = disk_free is None or alt.maps_disk <= 0.95 * disk_free
+        if alt.memory <= budget and (disk_ok or not alt.maps_disk):
+            disk = f", {_gb(alt.maps_disk)} on disk" if alt.maps_disk else ""
+            options.append(f"{label}: about {_gb(alt.memory)} in memory{disk}")
+    what = (
+        f"about {_gb(need.memory)} of memory; {_gb(budget)} are usable"
+        if not fits_memory
+        else f"about {_gb(need.maps_disk)} on disk; {_gb(disk_free or 0)} are free at {out}"
+    )
+    fix = "\n  ".join(options) if options else "none of the usual options fits: trace fewer tokens"
+    raise MemoryPreflightError(
+        f"tracing {num_tokens} tokens with {len(layers)} layers and measures "
+        f"{', '.join(names)} needs {what}. Options that fit:\n  {fix}"
+    )
+
+
+def _existing_parent(path: Path | None) -> Path:
+    p = Path(path or ".").resolve()
+    while not p.exists():
+        p = p.parent
+    return p
+
+
+# ---- the entry point ----------------------------------------------------------------------
+TextInput = str | Sequence[int] | Tensor
+
+
+@overload
+def trace(  # type: ignore[overload-overlap]
+    model: LoadedModel,
+    inputs: TextInput,
+    *,
+    measures: str | Sequence[str] = ...,
+    layers: Sequence[int] | None = ...,
+    max_tokens: int | None = ...,
+    truncate: bool = ...,
+    compute_dtype: str | torch.dtype = ...,
+    block_bytes: int = ...,
+    maps: bool = ...,
+    storage_dtype: str | torch.dtype | None = ...,
+    top_k: int = ...,
+    memory_limit: int | None = ...,
+    out: str | Path | None = ...,
+    progress: bool | None = ...,
+) -> Trace: ...
+
+
+@overload
+def trace(
+    model: LoadedModel,
+    inputs: Sequence[str] | Sequence[Sequence[int]],
+    *,
+    measures: str | Sequence[str] = ...,
+    layers: Sequence[int] | None = ...,
+    max_tokens: int | None = ...,
+    truncate: bool = ...,
+    compute_dtype: str | torch.dtype = ...,
+    block_bytes: int = ...,
+    maps: bool = ...,
+    storage_dtype: str | torch.dtype | None = ...,
+    top_k: int = ...,
+    memory_limit: int | None = ...,
+    out: str | Path | None = ...,
+    progress: bool | None = ...,
+) -> list[Trace]: ...
 
 
 def trace(
     model: LoadedModel,
-    inputs: str | Sequence[int] | Tensor | Sequence[str],
+    inputs: Any,
     *,
     measures: str | Sequence[str] = "all",
     layers: Sequence[int] | None = None,
@@ -108,28 +375,44 @@ def trace(
     truncate: bool = False,
     compute_dtype: str | torch.dtype = "float32",
     block_bytes: int = DEFAULT_BLOCK_BYTES,
+    maps: bool = True,
+    storage_dtype: str | torch.dtype | None = None,
+    top_k: int = DEFAULT_TOP_K,
+    memory_limit: int | None = None,
+    out: str | Path | None = None,
     progress: bool | None = None,
-) -> Any:
-    """Trace a text, token ids, or a list of texts (then a list of traces is returned).
+) -> Trace | list[Trace]:
+    """Trace a text or token ids; a list of texts or of id lists gives a list of traces.
 
-    Returns a :class:`~.results.Trace` whose tensors are ``(len(layers), H, T, T)`` in
-    the compute dtype. See :class:`TraceOptions` for the arguments; ``progress`` shows a
-    bar over layers (default: for sequences of 512 tokens or more).
+    Returns a :class:`~.results.Trace`. See :class:`TraceOptions` for the arguments.
+    ``out``: a folder to stream the trace to as it is computed (maps go to disk layer by
+    layer; the returned trace reads them lazily). With a list of inputs, each trace goes
+    to ``out/NNNN``. ``progress``: a bar over layers and blocks of queries (default: shown
+    once the trace has run for two seconds).
     """
-    if isinstance(inputs, (list, tuple)) and inputs and isinstance(inputs[0], str):
-        kwargs = dict(
-            measures=measures,
-            layers=layers,
-            max_tokens=max_tokens,
-            truncate=truncate,
-            compute_dtype=compute_dtype,
-            block_bytes=block_bytes,
-            progress=False,
-        )
-        from tqdm.auto import tqdm
+    kwargs: dict[str, Any] = dict(
+        measures=measures,
+        layers=layers,
+        max_tokens=max_tokens,
+        truncate=truncate,
+        compute_dtype=compute_dtype,
+        block_bytes=block_bytes,
+        maps=maps,
+        storage_dtype=storage_dtype,
+        top_k=top_k,
+        memory_limit=memory_limit,
+    )
+    if _is_batch(inputs):
+        from .progress import bar
 
-        texts = tqdm(inputs, desc="trace", unit="text", disable=len(inputs) < 2)
-        return [trace(model, text, **kwargs) for text in texts]  # type: ignore[arg-type]
+        items = list(inputs)
+        outs = [None if out is None else Path(out) / f"{k:04d}" for k in range(len(items))]
+        return [
+            trace(model, item, out=o, progress=False, **kwargs)
+            for item, o in zip(
+                bar(items, desc="trace", unit="text", disable=len(items) < 2), outs, strict=True
+            )
+        ]
     if not isinstance(model, LoadedModel):
         raise TypeError(
             "trace() takes the LoadedModel returned by cw.load_model(); wrap your own model "
@@ -139,40 +422,120 @@ def trace(
     dtype = dtype or (compute_dtype if isinstance(compute_dtype, torch.dtype) else None)
     if dtype not in (torch.float32, torch.float64):
         raise InputError(f"compute_dtype must be float32 or float64, not {compute_dtype!r}")
+    try:
+        storage = storage_dtype_of(storage_dtype, dtype)
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+    if top_k < 0:
+        raise InputError(f"top_k must be 0 or more, not {top_k}")
+    if block_bytes < 1:
+        raise InputError(f"block_bytes must be at least 1, not {block_bytes}")
     names = resolve_measures(measures)
     layer_list = resolve_layers(layers, model.num_layers)
-    ids = encode(model, inputs, max_tokens, truncate)  # type: ignore[arg-type]
-    recorder = TraceRecorder(names, layer_list, ids.numel(), dtype)
-    from tqdm.auto import tqdm
+    ids = encode(model, inputs, max_tokens, truncate)
+    folder = None if out is None else Path(out)
+    t = ids.numel()
+    _preflight(
+        model, t, names, layer_list, folder, maps, storage, dtype, top_k, block_bytes, memory_limit
+    )
+    heads = int(model.config.num_attention_heads)
+    stored = stored_measures(names) if maps else []
+    store: MapStore | None = None
+    if maps and folder is not None:
+        prepare_folder(folder)
+        store = PackedMaps(folder / "maps", stored, layer_list, heads, t, storage)
+    elif maps:
+        store = DenseMaps(stored, len(layer_list), heads, t, storage, model.device)
+    reducer = None
+    if not maps or folder is not None:
+        reducer = ReductionAccumulator(names, len(layer_list), heads, t, top_k, dtype, model.device)
+    recorder = TraceRecorder(names, layer_list, t, dtype, store=store, reducer=reducer)
+    _run(model, ids, recorder, block_bytes, progress)
+    if store is not None:
+        store.close()
+    if isinstance(store, DenseMaps):
+        store.to("cpu")
+    result = Trace(
+        input_ids=ids.cpu(),
+        tokens=token_strings(model, ids),
+        layers=layer_list,
+        measures=names,
+        num_heads=heads,
+        vectors={k: v.cpu() for k, v in recorder.vectors.items()},
+        maps=store,
+        reductions={} if reducer is None else {k: _cpu(r) for k, r in reducer.results.items()},
+        model_name=model.name,
+        meta={
+            "model_type": model.config.model_type,
+            "compute_dtype": dtype_name(dtype),
+            "storage_dtype": dtype_name(storage),
+            "model_dtype": dtype_name(model.model.dtype),
+            "num_layers": model.num_layers,
+        },
+        path=folder,
+    )
+    if folder is not None:
+        write_metadata(result, folder)
+    return result
 
-    show = ids.numel() >= 512 if progress is None else progress
-    bar = tqdm(total=len(layer_list), desc="trace", unit="layer", disable=not show, leave=False)
-    recorder.progress = bar
+
+def storage_dtype_of(value: str | torch.dtype | None, compute: torch.dtype) -> torch.dtype:
+    return compute if value is None else storage_dtype(value)
+
+
+def _cpu(r: Any) -> Any:
+    for name, value in vars(r).items():
+        if isinstance(value, Tensor):
+            setattr(r, name, value.cpu())
+    return r
+
+
+def _is_batch(inputs: Any) -> bool:
+    if not isinstance(inputs, (list, tuple)) or not inputs:
+        return False
+    first = inputs[0]
+    return isinstance(first, (str, list, tuple)) or (isinstance(first, Tensor) and first.dim() >= 1)
+
+
+def _no_logits(model: LoadedModel) -> dict[str, Any]:
+    """Ask for the last position's logits only (a trace needs none; at long context all of
+    them are the largest tensor of the forward), where the model supports it."""
+    import inspect
+
+    params = inspect.signature(model.model.forward).parameters
+    return {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+
+
+def _run(
+    model: LoadedModel,
+    ids: Tensor,
+    recorder: TraceRecorder,
+    block_bytes: int,
+    progress: bool | None,
+) -> None:
+    from .progress import bar
+
+    t = ids.numel()
+    heads = int(model.config.num_attention_heads)
+    rows = max(1, block_bytes // max(1, heads * t * 8))
+    recorder.blocks_per_layer = -(-t // rows)
+    total = model.num_layers * recorder.blocks_per_layer
+    show = progress is not False
+    pbar = bar(
+        total=total,
+        desc=f"trace {t} tokens",
+        unit="block",
+        disable=not show,
+        leave=False,
+        delay=0 if progress else 2.0,
+    )
+    recorder.progress = pbar
     try:
         with (
             torch.no_grad(),
             capturing(model.model, [recorder], block_bytes=block_bytes) as session,
         ):
-            model.model(input_ids=ids[None].to(model.device), use_cache=False)
+            model.model(input_ids=ids[None].to(model.device), use_cache=False, **_no_logits(model))
             check_all_layers_seen(session, model.num_layers)
     finally:
-        bar.close()
-    assert recorder.bias_share is not None and recorder.degenerate is not None
-    assert recorder.degenerate_heads is not None and recorder.zero_values is not None
-    return Trace(
-        measures={k: v.cpu() for k, v in recorder.store.items()},
-        input_ids=ids.cpu(),
-        tokens=token_strings(model, ids),
-        layers=layer_list,
-        bias_share=recorder.bias_share.cpu(),
-        degenerate=recorder.degenerate.cpu(),
-        degenerate_heads=recorder.degenerate_heads.cpu(),
-        zero_values=recorder.zero_values.cpu(),
-        model_name=model.name,
-        meta={
-            "model_type": model.config.model_type,
-            "compute_dtype": str(dtype).removeprefix("torch."),
-            "model_dtype": str(model.model.dtype).removeprefix("torch."),
-            "num_layers": model.num_layers,
-        },
-    )
+        pbar.close()

@@ -114,4 +114,16 @@ def parse_int_list(value: str) -> list[int]:
     return out
 
 
+def parse_bytes(value: str) -> int:
+    """An argparse type: a size such as ``8G``, ``512M``, ``1.5GB`` or bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", value)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"expected a size like 8G, 512M or 1.5GB, not {value!r}")
+    scale = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[match[2].lower()]
+    size = int(float(match[1]) * scale)
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"the size must be positive, not {value!r}")
+    return size
+
+
 _RANGE = re.compile(r"(-?\d+)(?:-(-?\d+))?")

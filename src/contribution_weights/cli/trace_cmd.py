@@ -6,9 +6,17 @@ import argparse
 import time
 from pathlib import Path
 
+from ..measures.reductions import DEFAULT_TOP_K
 from ..measures.registry import measure_names
+from ..storage import STORAGE_DTYPES
 from ..tracing import TraceOptions
-from .common import add_model_arguments, add_text_arguments, parse_int_list, read_text
+from .common import (
+    add_model_arguments,
+    add_text_arguments,
+    parse_bytes,
+    parse_int_list,
+    read_text,
+)
 
 
 def _pairs(value: str) -> list[tuple[int, int]]:
@@ -25,16 +33,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "trace",
         help="trace a text: per-layer, per-head measures, summary and figures",
-        description="Trace a text through the model and write DIR/trace.safetensors (one "
-        "(L, H, T, T) tensor per measure plus bias_share), DIR/tokens.json, DIR/summary.json "
-        "and figures.",
+        description="Trace a text through the model, streaming each layer's maps to "
+        "DIR/maps/ as it is done (packed lower triangles), with DIR/vectors.safetensors, "
+        "DIR/tokens.json, DIR/meta.json, DIR/summary.json and figures. --no-maps keeps "
+        "only per-(layer, head) reductions. Before it starts, the trace's memory and disk "
+        "needs are estimated; when they do not fit it stops with the options that would.",
     )
     add_text_arguments(p)
     add_model_arguments(p)
     p.add_argument(
         "--measures",
         default="all",
-        help=f"comma-separated measures or 'all' (valid: {', '.join(measure_names())})",
+        help=f"comma-separated measures or 'all' = every measure but distance and ihc "
+        f"(valid: {', '.join(measure_names())})",
     )
     p.add_argument(
         "--layers", type=parse_int_list, default=None, help="layers to trace, e.g. 0,5,-1 or 0-3"
@@ -46,6 +57,31 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="keep the first --max-tokens tokens of a longer text",
     )
     p.add_argument("--compute-dtype", default="float32", choices=["float32", "float64"])
+    p.add_argument(
+        "--storage-dtype",
+        default=None,
+        choices=list(STORAGE_DTYPES),
+        help="dtype of the maps on disk (default: the compute dtype); float16 or bfloat16 "
+        "halve the size (docs/long-contexts.md gives the error they add)",
+    )
+    p.add_argument(
+        "--no-maps",
+        action="store_true",
+        help="keep no T x T map: only token scores, first-token weight, entropy and the "
+        "top-k keys per (layer, head), computed while the forward runs",
+    )
+    p.add_argument(
+        "--top-k",
+        type=int,
+        default=DEFAULT_TOP_K,
+        help=f"keys kept per query in the reductions (default {DEFAULT_TOP_K})",
+    )
+    p.add_argument(
+        "--memory-limit",
+        type=parse_bytes,
+        default=None,
+        help="memory the trace may use, e.g. 8G (default: what the machine has available)",
+    )
     p.add_argument(
         "--heads",
         type=_pairs,
@@ -69,24 +105,31 @@ def run(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         truncate=args.truncate,
         compute_dtype=args.compute_dtype,
+        maps=not args.no_maps,
+        storage_dtype=args.storage_dtype,
+        top_k=args.top_k,
+        memory_limit=args.memory_limit,
     )
     model = load_model(args.model, dtype=args.dtype, device=args.device)
     start = time.perf_counter()
-    result = trace(model, text, **options.as_kwargs())
+    result = trace(model, text, out=args.out, **options.as_kwargs())
     elapsed = time.perf_counter() - start
-    out = result.save(args.out)
-    written = ["trace.safetensors", "tokens.json", "meta.json", "summary.json"]
+    out = Path(args.out)
+    written = ["maps/" if result.has_maps else "reductions.safetensors"]
+    written += ["vectors.safetensors", "tokens.json", "meta.json", "summary.json"]
     if not args.no_figures:
         from ..presentation import figures
 
-        figures.save(figures.plot_heatmaps(result, args.heads), out / "heatmaps.png")
-        written.append("heatmaps.png")
-        if any(m in result for m in figures.FIRST_TOKEN_MEASURES):
+        if result.has_maps:
+            figures.save(figures.plot_heatmaps(result, args.heads), out / "heatmaps.png")
+            written.append("heatmaps.png")
+        if any(m in result.measures for m in figures.FIRST_TOKEN_MEASURES):
             figures.save(figures.plot_first_token_weight(result), out / "first_token_weight.png")
             written.append("first_token_weight.png")
     print(
         f"{model.name}: {result.num_tokens} tokens, {len(result.layers)} layers x "
         f"{result.num_heads} heads, {len(result.measures)} measures in {elapsed:.1f} s"
+        + ("" if result.has_maps else " (no maps: reductions only)")
     )
     summary = result.summary()
     if not summary.empty:

@@ -26,6 +26,7 @@ quantity is zero (never NaN or inf) and :attr:`LayerTensors.degenerate` flags th
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cached_property
 
 import torch
@@ -211,7 +212,23 @@ class LayerTensors:
         return reciprocal(self.output_norm)
 
 
-# ---- the measures of SPEC §2 -----------------------------------------------------------
+@dataclass
+class Factors:
+    """What a derived measure is read from, for a block of (heads, queries, keys).
+
+    ``maps`` holds blocks ``(…, H, I, K)`` of stored measures by name; the norms are
+    shaped to broadcast against them: ``value_norm`` ``(…, H, 1, K)`` (‖ṽ_j^(h)‖),
+    ``inv_output_norm`` ``(…, 1, I, 1)`` (1/‖o_i‖, 0 where o_i = 0) and ``valid``
+    ``(…, 1, I, K)`` (where the query may attend to the key).
+    """
+
+    maps: dict[str, Tensor]
+    value_norm: Tensor
+    inv_output_norm: Tensor
+    valid: Tensor
+
+
+# ---- the measures of the method (docs/method.md) -----------------------------------------
 Weights = Float[Tensor, "b h i t"]  # one value per batch item, head, query and key
 
 
@@ -256,6 +273,24 @@ def vw_on(lt: LayerTensors) -> Weights:
 def ihc(lt: LayerTensors) -> Weights:
     """|ĉ|: the importance measure used for faithfulness."""
     return contribution(lt).abs()
+
+
+# Derived on access, with the arithmetic of the functions above (so bit for bit equal).
+def relative_norm_from(f: Factors) -> Tensor:
+    r = f.value_norm * f.inv_output_norm
+    return torch.where(f.valid, r, torch.zeros((), dtype=r.dtype, device=r.device))
+
+
+def vw_from(f: Factors) -> Tensor:
+    return f.maps["attention"] * f.value_norm
+
+
+def vw_on_from(f: Factors) -> Tensor:
+    return vw_from(f).mul_(f.inv_output_norm)
+
+
+def ihc_from(f: Factors) -> Tensor:
+    return f.maps["contribution"].abs()
 
 
 def distance(lt: LayerTensors, max_elements: int = 1 << 25) -> Weights:

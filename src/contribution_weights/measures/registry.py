@@ -5,8 +5,16 @@ new measure is one function plus one :func:`register_measure` call.
 
 Each :class:`Measure` maps a :class:`~.layer.LayerTensors` to a ``(B, H, I, T)`` tensor
 and says how to normalise it so that, per query, the weights sum to one over heads and
-keys (SPEC §3); measures that are not weights (the relative norm and the cosine) have no
-normalisation and are left out of weight summaries.
+keys (docs/method.md); measures that are not weights (the relative norm and the cosine)
+have no normalisation and are left out of weight summaries.
+
+Stored and derived measures. Only a few measures need their own ``T × T`` work: the
+attention α, the contribution ĉ, the intra-head contribution č, the cosine κ and the
+distance. The others are cheap functions of one stored map and the per-layer norms
+(:class:`~.layer.Factors`): ``vw = α·‖ṽ_j‖``, ``vw_on = α·‖ṽ_j‖/‖o_i‖``,
+``relative_norm = ‖ṽ_j‖/‖o_i‖`` (no map at all) and ``ihc = |ĉ|``. A trace keeps the
+stored maps and derives the rest when they are read (``Measure.derive``), with exactly
+the arithmetic of ``Measure.compute``, so a derived map equals the computed one bit for bit.
 """
 
 # ruff: noqa: F722  (jaxtyping shape strings are not forward references)
@@ -20,7 +28,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from . import layer
-from .layer import LayerTensors, safe_div
+from .layer import Factors, LayerTensors, safe_div
 
 
 def _per_query_sum(w: Float[Tensor, "*lead h i t"]) -> Float[Tensor, "*lead h i t"]:
@@ -47,6 +55,12 @@ class Measure:
         normalise: ``(…, H, T, T) -> same`` scaling each query's weights to sum 1 over
             (head, key), or None for quantities that are not weights.
         signed: values may be negative (draw with a diverging colour scale).
+        sources: for a derived measure, the stored measures it is read from (empty for a
+            measure computed during the forward; ``relative_norm`` needs no map and
+            names none, see ``derive``).
+        derive: ``Factors -> (…, H, I, T)`` for derived measures, else None.
+        in_all: part of ``"all"`` (``distance``, which costs T²·d per head and layer,
+            and ``ihc``, which is ``|contribution|``, are not).
     """
 
     name: str
@@ -54,10 +68,26 @@ class Measure:
     description: str
     normalise: Callable[[Tensor], Tensor] | None = None
     signed: bool = False
+    sources: tuple[str, ...] = ()
+    derive: Callable[[Factors], Tensor] | None = None
+    in_all: bool = True
 
     @property
     def is_weight(self) -> bool:
         return self.normalise is not None
+
+    @property
+    def is_derived(self) -> bool:
+        return self.derive is not None
+
+    @property
+    def how(self) -> str:
+        """How a trace gets this measure, for ``cw measures`` and the docs."""
+        if self.derive is None:
+            return "computed (T × T)"
+        if not self.sources:
+            return "derived from the norms"
+        return f"derived from {', '.join(self.sources)}"
 
 
 _MEASURES: dict[str, Measure] = {}
@@ -83,9 +113,12 @@ def measure_names() -> list[str]:
 
 
 def resolve_measures(measures: str | Iterable[str] | None) -> list[str]:
-    """``"all"``, one name, a comma-separated string or a list, checked and deduplicated."""
+    """``"all"``, one name, a comma-separated string or a list, checked and deduplicated.
+
+    ``"all"`` is every measure marked ``in_all`` (not ``distance`` nor ``ihc``).
+    """
     if measures is None or measures == "all":
-        return [m for m in measure_names() if m != "ihc"]
+        return [m for m in measure_names() if _MEASURES[m].in_all]
     if isinstance(measures, str):
         measures = [m.strip() for m in measures.split(",") if m.strip()]
     names: list[str] = []
@@ -114,18 +147,61 @@ for _m in (
         _divide_by_heads,
         signed=True,
     ),
-    Measure("relative_norm", layer.relative_norm, "relative norm r = ‖ṽ_j‖/‖o_i‖"),
+    Measure(
+        "relative_norm",
+        layer.relative_norm,
+        "relative norm r = ‖ṽ_j‖/‖o_i‖",
+        derive=layer.relative_norm_from,
+    ),
     Measure("cosine", layer.cosine, "cosine κ = cos(o_i, ṽ_j)", signed=True),
-    Measure("vw", layer.vw, "value-weighted attention α‖ṽ_j‖", _per_query_sum),
-    Measure("vw_on", layer.vw_on, "output-normalised value-weighted α‖ṽ_j‖/‖o_i‖", _per_query_sum),
-    Measure("distance", layer.distance, "distance-based (Ferrando et al. 2022)", _as_is),
-    Measure("ihc", layer.ihc, "|ĉ|, the importance used for faithfulness", _per_query_sum),
+    Measure(
+        "vw",
+        layer.vw,
+        "value-weighted attention α‖ṽ_j‖",
+        _per_query_sum,
+        sources=("attention",),
+        derive=layer.vw_from,
+    ),
+    Measure(
+        "vw_on",
+        layer.vw_on,
+        "output-normalised value-weighted α‖ṽ_j‖/‖o_i‖",
+        _per_query_sum,
+        sources=("attention",),
+        derive=layer.vw_on_from,
+    ),
+    Measure(
+        "distance",
+        layer.distance,
+        "distance-based (Ferrando et al. 2022); T²·d per head, only when named",
+        _as_is,
+        in_all=False,
+    ),
+    Measure(
+        "ihc",
+        layer.ihc,
+        "|ĉ|, the importance used for faithfulness",
+        _per_query_sum,
+        sources=("contribution",),
+        derive=layer.ihc_from,
+        in_all=False,
+    ),
 ):
     register_measure(_m)
 
 
 def compute_measures(lt: LayerTensors, names: Sequence[str]) -> dict[str, Tensor]:
     return {name: get_measure(name).compute(lt) for name in names}
+
+
+def stored_measures(names: Sequence[str]) -> list[str]:
+    """The measures a trace of ``names`` computes as maps: those that are not derived,
+    and the sources of those that are, in registry order."""
+    wanted: set[str] = set()
+    for name in names:
+        m = get_measure(name)
+        wanted.update(m.sources if m.is_derived else (name,))
+    return [m for m in measure_names() if m in wanted]
 
 
 __all__ = [
@@ -135,4 +211,5 @@ __all__ = [
     "measure_names",
     "register_measure",
     "resolve_measures",
+    "stored_measures",
 ]

@@ -42,11 +42,10 @@ def sink_heads(trace: Trace, count: int = 3) -> list[tuple[int, int]]:
     pairs = []
     for pos in picks:
         head = 0
-        if "attention" in trace and "contribution" in trace:
-            gap = trace["attention"][pos, :, :, 0].mean(-1) - trace["contribution"][
-                pos, :, :, 0
-            ].mean(-1)
-            head = int(gap.argmax())
+        if {"attention", "contribution"} <= set(trace.measures):
+            # mean over queries of each head's weight on token 0, from the reductions
+            first = {m: trace.reduced(m).first[pos].mean(-1) for m in ("attention", "contribution")}
+            head = int((first["attention"] - first["contribution"]).argmax())
         pairs.append((trace.layers[pos], head))
     return pairs
 
@@ -103,7 +102,7 @@ def plot_heatmaps(
 
 def plot_first_token_weight(trace: Trace, measures: Sequence[str] = FIRST_TOKEN_MEASURES) -> Figure:
     """Per-layer first-token weight of the normalised measures (paper Table 4, by layer)."""
-    names = [m for m in measures if m in trace and get_measure(m).is_weight]
+    names = [m for m in measures if m in trace.measures and get_measure(m).is_weight]
     if not names:
         raise ValueError(
             f"the trace has none of the measures {', '.join(measures)}; "

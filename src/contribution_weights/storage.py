@@ -1,0 +1,295 @@
+"""Where a trace's ``T × T`` maps live: in memory, or on disk in per-layer shards.
+
+A map store holds the *stored* measures (:func:`~.measures.registry.stored_measures`) of
+the traced layers, written one block of queries at a time while the forward runs and read
+back by (layer, heads, query range):
+
+* :class:`DenseMaps`: one ``(L, H, T, T)`` tensor per measure in memory;
+* :class:`PackedMaps`: one safetensors file per traced layer, ``maps/layer-NNN.safetensors``,
+  holding per measure an ``(H, T(T+1)/2)`` tensor: the lower triangle of each head's map,
+  row after row. A causal map is half zeros; packing them away halves the file without a
+  compression codec, and a block of query rows is one contiguous byte range, so reading
+  ``[l, h, q0:q1]`` touches only those bytes (safetensors slices a memory map). The file's
+  header is written first and each block is written at its offset as soon as it is done,
+  so peak memory is one block, whatever the length or the number of layers. Layers whose
+  queries may attend to later keys (not causal) are stored whole (``layout: full``);
+* :class:`LegacyMaps`: a ``trace.safetensors`` of the first file format (a dense
+  ``(L, H, T, T)`` tensor per measure), read lazily too.
+
+Docs: docs/long-contexts.md explains the choice with measured sizes and speeds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+STORAGE_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+_ST_DTYPE = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float64: "F64",
+}
+
+
+class TraceFileError(ValueError):
+    """A trace folder that cannot be read: the message names the file and the problem."""
+
+
+def storage_dtype(value: str | torch.dtype) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        if value in _ST_DTYPE:
+            return value
+    elif value in STORAGE_DTYPES:
+        return STORAGE_DTYPES[value]
+    raise ValueError(f"storage dtype must be one of {', '.join(STORAGE_DTYPES)}, not {value!r}")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def causal_rows_mask(first_query: int, rows: int, num_keys: int, device: Any = None) -> Tensor:
+    """``(I, T)`` bool: key j ≤ query i for queries ``first_query …``: the packed entries."""
+    q = torch.arange(first_query, first_query + rows, device=device)
+    return torch.arange(num_keys, device=device)[None, :] <= q[:, None]
+
+
+def packed_offset(row: int) -> int:
+    """Index of row ``row``'s first entry in a packed lower triangle."""
+    return row * (row + 1) // 2
+
+
+class MapStore(Protocol):
+    """Stored maps of the traced layers (see module docstring)."""
+
+    names: list[str]
+
+    def write(self, name: str, pos: int, rows: slice, block: Tensor) -> None:
+        """Store ``block`` ``(H, I, T)``: rows ``rows`` of measure ``name`` at layer ``pos``."""
+        ...
+
+    def read(self, name: str, pos: int, heads: slice, rows: slice) -> Tensor:
+        """``(h, I, T)`` float32 (float64 for float64 storage): heads × query rows × keys."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def _float(x: Tensor) -> Tensor:
+    return x if x.dtype == torch.float64 else x.to(torch.float32)
+
+
+class DenseMaps:
+    """Stored maps in memory, one ``(L, H, T, T)`` tensor per measure."""
+
+    def __init__(
+        self,
+        names: list[str],
+        num_layers: int,
+        num_heads: int,
+        num_tokens: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.names = list(names)
+        shape = (num_layers, num_heads, num_tokens, num_tokens)
+        # every traced layer writes all its rows, so no zero-fill pass is needed
+        self.tensors = {n: torch.empty(shape, dtype=dtype, device=device) for n in names}
+
+    def destination(self, name: str, pos: int, rows: slice) -> Tensor:
+        """The ``(H, I, T)`` view a block is written to (for ``out=`` writes)."""
+        return self.tensors[name][pos, :, rows]
+
+    def write(self, name: str, pos: int, rows: slice, block: Tensor) -> None:
+        dest = self.tensors[name][pos, :, rows]
+        if block.data_ptr() != dest.data_ptr():
+            dest.copy_(block)
+
+    def read(self, name: str, pos: int, heads: slice, rows: slice) -> Tensor:
+        return _float(self.tensors[name][pos, heads, rows])
+
+    def to(self, device: str) -> DenseMaps:
+        self.tensors = {k: v.to(device) for k, v in self.tensors.items()}
+        return self
+
+    def close(self) -> None:
+        pass
+
+
+def _write_header(fh: Any, tensors: dict[str, tuple[torch.dtype, list[int]]], meta: dict) -> int:
+    """Write a safetensors header for tensors of known dtype and shape; returns the data start."""
+    header: dict[str, Any] = {"__metadata__": {k: str(v) for k, v in meta.items()}}
+    offset = 0
+    for name, (dtype, shape) in tensors.items():
+        size = torch.empty((), dtype=dtype).element_size()
+        for n in shape:
+            size *= n
+        header[name] = {
+            "dtype": _ST_DTYPE[dtype],
+            "shape": shape,
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    fh.write(struct.pack("<Q", len(raw)))
+    fh.write(raw)
+    start = 8 + len(raw)
+    fh.truncate(start + offset)  # sparse until written
+    return start
+
+
+class PackedMaps:
+    """Stored maps on disk: a packed lower-triangle safetensors shard per traced layer."""
+
+    def __init__(
+        self,
+        folder: str | Path,
+        names: list[str],
+        layers: list[int],
+        num_heads: int,
+        num_tokens: int,
+        dtype: torch.dtype,
+        layouts: dict[int, str] | None = None,
+    ) -> None:
+        self.folder = Path(folder)
+        self.names = list(names)
+        self.layers = list(layers)
+        self.num_heads = num_heads
+        self.num_tokens = num_tokens
+        self.dtype = dtype
+        self.layouts: dict[int, str] = dict(layouts or {})
+        self._fds: dict[int, int] = {}
+        self._offsets: dict[int, dict[str, int]] = {}
+        self._readers: dict[int, Any] = {}
+
+    def path(self, pos: int) -> Path:
+        return self.folder / f"layer-{self.layers[pos]:03d}.safetensors"
+
+    # ---- writing -----------------------------------------------------------------------
+    def _open_for_write(self, pos: int, layout: str) -> int:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        t, h = self.num_tokens, self.num_heads
+        per_head = packed_offset(t) if layout == "tril" else t * t
+        shape = [h, per_head] if layout == "tril" else [h, t, t]
+        tensors = {name: (self.dtype, shape) for name in self.names}
+        path = self.path(pos)
+        with open(path, "wb") as fh:
+            start = _write_header(
+                fh, tensors, {"layout": layout, "num_tokens": t, "layer": self.layers[pos]}
+            )
+        size = torch.empty((), dtype=self.dtype).element_size()
+        self._offsets[pos] = {
+            name: start + k * h * per_head * size for k, name in enumerate(self.names)
+        }
+        self.layouts[pos] = layout
+        fd = os.open(path, os.O_WRONLY)
+        self._fds[pos] = fd
+        return fd
+
+    def start_layer(self, pos: int, causal: bool) -> None:
+        """Create layer ``pos``'s shard (packed when every query sees only keys ≤ itself)."""
+        if pos not in self._fds:
+            self._open_for_write(pos, "tril" if causal else "full")
+
+    def write(self, name: str, pos: int, rows: slice, block: Tensor) -> None:
+        if pos not in self._fds:
+            self.start_layer(pos, causal=True)
+        fd = self._fds[pos]
+        h, i, t = block.shape
+        size = torch.empty((), dtype=self.dtype).element_size()
+        if self.layouts[pos] == "tril":
+            mask = causal_rows_mask(rows.start, i, t, block.device)
+            data = block.to(self.dtype)[:, mask]  # (H, packed entries of the rows)
+            per_head, first = packed_offset(t), packed_offset(rows.start)
+        else:
+            data = block.to(self.dtype).reshape(h, i * t)
+            per_head, first = t * t, rows.start * t
+        data = data.cpu().contiguous()
+        raw = data.view(torch.int16) if self.dtype == torch.bfloat16 else data
+        array = raw.numpy()
+        base = self._offsets[pos][name]
+        for head in range(h):
+            os.pwrite(
+                fd, memoryview(array[head]).cast("B"), base + (head * per_head + first) * size
+            )
+
+    def finish_layer(self, pos: int) -> None:
+        fd = self._fds.pop(pos, None)
+        if fd is not None:
+            os.close(fd)
+
+    # ---- reading -----------------------------------------------------------------------
+    def _reader(self, pos: int) -> Any:
+        if pos not in self._readers:
+            from safetensors import safe_open
+
+            path = self.path(pos)
+            if not path.is_file():
+                raise TraceFileError(f"{path} is missing: the trace folder is incomplete")
+            try:
+                handle = safe_open(str(path), framework="pt")
+                layout = (handle.metadata() or {}).get("layout", "tril")
+            except Exception as exc:  # safetensors raises its own error types
+                raise TraceFileError(
+                    f"{path} is not a readable safetensors file ({exc}); the trace was "
+                    "interrupted or the file is damaged: trace the text again"
+                ) from None
+            self.layouts[pos] = layout
+            self._readers[pos] = handle
+        return self._readers[pos]
+
+    def read(self, name: str, pos: int, heads: slice, rows: slice) -> Tensor:
+        handle = self._reader(pos)
+        t = self.num_tokens
+        view = handle.get_slice(name)
+        if self.layouts[pos] == "full":
+            return _float(view[heads, rows, :])
+        i = rows.stop - rows.start
+        packed = view[heads, packed_offset(rows.start) : packed_offset(rows.stop)]
+        out = torch.zeros(packed.shape[0], i, t, dtype=_float(packed).dtype)
+        out[:, causal_rows_mask(rows.start, i, t)] = _float(packed)
+        return out
+
+    def close(self) -> None:
+        for pos in list(self._fds):
+            self.finish_layer(pos)
+        self._readers.clear()
+
+
+class LegacyMaps:
+    """The dense ``(L, H, T, T)`` tensors of a first-format ``trace.safetensors``."""
+
+    def __init__(self, path: Path, names: list[str]) -> None:
+        self.path = path
+        self.names = list(names)
+        self._handle: Any = None
+
+    def _open(self) -> Any:
+        if self._handle is None:
+            from safetensors import safe_open
+
+            self._handle = safe_open(str(self.path), framework="pt")
+        return self._handle
+
+    def write(self, name: str, pos: int, rows: slice, block: Tensor) -> None:
+        raise TraceFileError(f"{self.path} is read-only")
+
+    def read(self, name: str, pos: int, heads: slice, rows: slice) -> Tensor:
+        return _float(self._open().get_slice(name)[pos : pos + 1, heads, rows][0])
+
+    def close(self) -> None:
+        self._handle = None
