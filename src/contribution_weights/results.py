@@ -333,10 +333,12 @@ class Trace:
                 f"measure {name!r} was not traced; this trace has: {', '.join(self.measures)}"
             )
         have = self.reductions.get(name)
-        if have is not None and (
-            have.top_keys is None or have.top_keys.shape[-1] >= min(top_k, self.num_tokens)
-        ):
-            return have
+        if have is not None:
+            kept = None if have.top_keys is None else have.top_keys.shape[-1]
+            if kept is None or kept >= min(top_k, self.num_tokens) or self.maps is None:
+                return have
+        if self.maps is None:
+            raise KeyError(f"this trace kept neither maps nor reductions of {name!r}")
         acc = ReductionAccumulator(
             [name], len(self.layers), self.num_heads, self.num_tokens, top_k, self._read_dtype
         )

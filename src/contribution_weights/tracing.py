@@ -441,8 +441,9 @@ def trace(
     heads = int(model.config.num_attention_heads)
     stored = stored_measures(names) if maps else []
     store: MapStore | None = None
-    if maps and folder is not None:
+    if folder is not None:
         prepare_folder(folder)
+    if maps and folder is not None:
         store = PackedMaps(folder / "maps", stored, layer_list, heads, t, storage)
     elif maps:
         store = DenseMaps(stored, len(layer_list), heads, t, storage, model.device)

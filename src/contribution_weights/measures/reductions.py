@@ -146,6 +146,13 @@ class ReductionAccumulator:
             r.entropy_excl_first[pos, :, 0] = 0
         if r.top_values is not None and r.top_keys is not None:
             signed = get_measure(name).signed
-            _, keys = torch.topk(a if signed else w, self.top_k, dim=-1)
-            r.top_keys[pos, :, rows] = keys.to(torch.int32)
-            r.top_values[pos, :, rows] = w.gather(-1, keys)
+            # rank only the keys j <= i a query may see (later keys hold zeros)
+            query = torch.arange(rows.start, rows.stop, device=w.device)[None, :, None]
+            later = torch.arange(w.shape[-1], device=w.device)[None, None, :] > query
+            rank = (a if signed else w).masked_fill(later, float("-inf"))
+            _, keys = torch.topk(rank, self.top_k, dim=-1)
+            values = w.gather(-1, keys)
+            # a query i has i + 1 keys j <= i: the rest of its k are marked key -1, value 0
+            beyond = torch.arange(self.top_k, device=w.device)[None, None, :] > query
+            r.top_keys[pos, :, rows] = torch.where(beyond, -1, keys).to(torch.int32)
+            r.top_values[pos, :, rows] = torch.where(beyond, 0, values)
