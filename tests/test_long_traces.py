@@ -347,25 +347,25 @@ def test_broken_folders_name_the_file_and_the_problem(tmp_path):
     cw.trace(lm, IDS, measures=["attention"], out=tmp_path / "t")
     folder = tmp_path / "t"
     (folder / "tokens.json").write_text(json.dumps({"ids": [1, 2], "tokens": ["a", "b"]}))
-    with pytest.raises(TraceFileError, match="tokens.json.*does not match"):
+    with pytest.raises(TraceFileError, match=r"tokens.json.*does not match"):
         cw.Trace.load(folder)
     (folder / "tokens.json").write_text("{not json")
-    with pytest.raises(TraceFileError, match="tokens.json is not valid JSON"):
+    with pytest.raises(TraceFileError, match=r"tokens.json is not valid JSON"):
         cw.Trace.load(folder)
     (folder / "tokens.json").unlink()
-    with pytest.raises(TraceFileError, match="tokens.json is missing"):
+    with pytest.raises(TraceFileError, match=r"tokens.json is missing"):
         cw.Trace.load(folder)
     cw.trace(lm, IDS, measures=["attention"], out=folder)
     shard = folder / "maps" / "layer-001.safetensors"
     shard.write_bytes(shard.read_bytes()[:50])
-    with pytest.raises(TraceFileError, match="layer-001.safetensors"):
+    with pytest.raises(TraceFileError, match=r"layer-001.safetensors"):
         cw.Trace.load(folder)["attention"][1, 0]
     cw.trace(lm, IDS, measures=["attention"], out=folder)
     vectors = folder / "vectors.safetensors"
     vectors.write_bytes(vectors.read_bytes()[:100])
-    with pytest.raises(TraceFileError, match="vectors.safetensors.*truncated"):
+    with pytest.raises(TraceFileError, match=r"vectors.safetensors.*truncated"):
         cw.Trace.load(folder)
-    with pytest.raises(TraceFileError, match="not a folder"):
+    with pytest.raises(TraceFileError, match=r"not a folder"):
         cw.Trace.load(tmp_path / "missing")
 
 
