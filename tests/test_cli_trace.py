@@ -40,9 +40,9 @@ def test_trace_writes_all_outputs(tiny_folder, tmp_path, capsys):
     from safetensors.torch import load_file
 
     shard = load_file(str(out / "maps" / "layer-000.safetensors"))
-    assert set(shard) == {"attention", "contribution", "intra", "cosine"}  # the rest is derived
-    assert shard["contribution"].dtype == torch.float32
-    assert shard["contribution"].shape == (4, t * (t + 1) // 2)  # packed lower triangles
+    assert set(shard) == {"attention", "intra", "projection"}  # the rest is derived
+    assert shard["projection"].dtype == torch.float32
+    assert shard["projection"].shape == (4, t * (t + 1) // 2)  # packed lower triangles
     assert load_file(str(out / "vectors.safetensors"))["bias_share"].shape == (2, t)
     # the streamed trace reloads and equals an in-memory trace of the same text, bit for bit
     reloaded = cw.Trace.load(out)

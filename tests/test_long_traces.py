@@ -18,7 +18,7 @@ from contribution_weights.storage import TraceFileError
 from contribution_weights.tracing import MemoryPreflightError
 
 IDS = torch.tensor([5, 17, 3, 88, 42, 9, 61, 23, 7, 70, 11, 2, 40, 33, 8, 95, 14])
-DERIVED = ["relative_norm", "vw", "vw_on", "ihc"]
+DERIVED = ["relative_norm", "vw", "vw_on", "ihc", "contribution", "cosine"]
 EVERY = cw.measure_names()
 
 
@@ -40,7 +40,7 @@ def test_streamed_equals_in_memory_bit_for_bit(family, tmp_path):
     with safe_open(str(tmp_path / "maps" / "layer-000.safetensors"), "pt") as f:
         assert sorted(f.keys()) == sorted(stored_measures(EVERY))
         t = len(IDS)
-        assert f.get_slice("contribution").get_shape() == [4, t * (t + 1) // 2]
+        assert f.get_slice("projection").get_shape() == [4, t * (t + 1) // 2]
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
@@ -170,7 +170,7 @@ def test_half_storage_within_its_stated_error(dtype, atol, tmp_path):
     half = cw.trace(lm, IDS, measures=EVERY, storage_dtype=dtype, out=tmp_path)
     assert json.loads((tmp_path / "meta.json").read_text())["storage_dtype"] == dtype
     rel = 2**-11 if dtype == "float16" else 2**-8  # half the unit in the last place
-    for name in stored_measures(EVERY):
+    for name in stored_measures(EVERY, getattr(torch, dtype)):
         a, b = exact[name].tensor(), half[name].tensor()
         assert b.dtype == torch.float32
         # round to nearest: |error| <= rel · |x| for normal numbers, tiny absolute below
@@ -395,11 +395,18 @@ def test_factors_derivation_matches_layer_functions():
     valid = torch.ones(6, 6, dtype=torch.bool).tril()[None]
     lt = M.LayerTensors(probs, values, w_o, None, valid)
     f = M.Factors(
-        maps={"attention": probs[0], "contribution": M.contribution(lt)[0]},
+        maps={
+            "attention": probs[0],
+            "contribution": M.contribution(lt)[0],
+            "projection": M.projection(lt)[0],
+        },
         value_norm=lt.value_norm[0][:, None, :],
-        inv_output_norm=lt.inv_output_norm[0][None, :, None],
+        output_norm=lt.output_norm[0][None, :, None],
         valid=valid,
     )
+    assert torch.equal(M.contribution_from(f), M.contribution(lt)[0])
+    assert torch.equal(M.cosine_from(f), M.cosine(lt)[0])
+    assert torch.equal(M.ihc_from_factor(f), M.ihc(lt)[0])
     assert torch.equal(M.vw_from(f), M.vw(lt)[0])
     assert torch.equal(M.vw_on_from(f), M.vw_on(lt)[0])
     assert torch.equal(M.relative_norm_from(f), M.relative_norm(lt)[0])

@@ -41,7 +41,7 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from .measures.layer import Factors, reciprocal
+from .measures.layer import Factors
 from .measures.reductions import DEFAULT_TOP_K, MeasureReductions, ReductionAccumulator
 from .measures.registry import get_measure
 from .storage import (
@@ -292,15 +292,15 @@ class Trace:
 
     def _read(self, name: str, pos: int, heads: slice, rows: slice) -> Tensor:
         assert self.maps is not None
-        measure = get_measure(name)
         if name in self.maps.names:
             return self.maps.read(name, pos, heads, rows)
-        if not measure.is_derived:
-            raise KeyError(f"measure {name!r} is not stored in this trace")
+        recipe = get_measure(name).recipe(self.maps.names)
+        if recipe is None:
+            raise KeyError(f"measure {name!r} is neither stored nor derivable in this trace")
         missing = [v for v in ("value_norm", "output_norm", "key_start") if v not in self.vectors]
         if missing:
             raise KeyError(f"measure {name!r} cannot be derived: the trace lacks {missing}")
-        maps = {src: self.maps.read(src, pos, heads, rows) for src in measure.sources}
+        maps = {src: self.maps.read(src, pos, heads, rows) for src in recipe.sources}
         dtype = self._read_dtype
         keys = torch.arange(self.num_tokens)
         start = self.vectors["key_start"][pos, rows].long()
@@ -309,13 +309,10 @@ class Trace:
         factors = Factors(
             maps=maps,
             value_norm=self.vectors["value_norm"][pos, heads].to(dtype)[:, None, :],
-            inv_output_norm=reciprocal(self.vectors["output_norm"][pos, rows].to(dtype))[
-                None, :, None
-            ],
+            output_norm=self.vectors["output_norm"][pos, rows].to(dtype)[None, :, None],
             valid=valid[None],
         )
-        assert measure.derive is not None
-        return measure.derive(factors)
+        return recipe.derive(factors)
 
     def iter_blocks(self, name: str, pos: int) -> Iterator[tuple[int, Tensor]]:
         """``(first_query, (H, I, T))`` blocks of one layer's map, of bounded size."""

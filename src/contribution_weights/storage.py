@@ -105,6 +105,7 @@ class DenseMaps:
         device: torch.device | str = "cpu",
     ) -> None:
         self.names = list(names)
+        self.dtype = dtype
         shape = (num_layers, num_heads, num_tokens, num_tokens)
         # every traced layer writes all its rows, so no zero-fill pass is needed
         self.tensors = {n: torch.empty(shape, dtype=dtype, device=device) for n in names}

@@ -134,10 +134,17 @@ class TraceRecorder:
                 causal=bool((stop <= torch.arange(1, stop.numel() + 1, device=stop.device)).all()),
             )
         computed: dict[str, Tensor] = {}
+        direct = isinstance(self.store, DenseMaps) and self.store.dtype == self.dtype
         for name in self.stored:
-            computed[name] = get_measure(name).compute(lt)[0]
+            measure = get_measure(name)
             assert self.store is not None
-            self.store.write(name, pos, rows, computed[name])
+            if direct and measure.writes_out:
+                assert isinstance(self.store, DenseMaps)
+                dest = self.store.destination(name, pos, rows)
+                computed[name] = measure.compute(lt, out=dest[None])[0]
+            else:
+                computed[name] = measure.compute(lt)[0]
+                self.store.write(name, pos, rows, computed[name])
         if self.reducer is not None:
             for name in self.measures:
                 w = computed.get(name)
@@ -217,7 +224,7 @@ def plan_memory(
     head_dim = int(getattr(cfg, "head_dim", None) or (hidden // max(1, heads)))
     ffn = int(getattr(cfg, "intermediate_size", None) or 4 * hidden)
     t = num_tokens
-    stored = stored_measures(measures) if maps else []
+    stored = stored_measures(measures, storage) if maps else []
     size = torch.empty((), dtype=storage).element_size()
     csize = torch.empty((), dtype=compute).element_size()
     per_map = num_layers * heads * t * t * size
@@ -439,7 +446,7 @@ def trace(
         model, t, names, layer_list, folder, maps, storage, dtype, top_k, block_bytes, memory_limit
     )
     heads = int(model.config.num_attention_heads)
-    stored = stored_measures(names) if maps else []
+    stored = stored_measures(names, storage) if maps else []
     store: MapStore | None = None
     if folder is not None:
         prepare_folder(folder)

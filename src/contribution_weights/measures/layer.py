@@ -167,9 +167,31 @@ class LayerTensors:
         return back @ self.head_values.transpose(-1, -2)
 
     @cached_property
+    def scaled_back(self) -> Float[Tensor, "b h i dh"]:
+        """``(B, H, I, d_h)``: W_O^(h)ᵀ o_i / ‖o_i‖² (0 where o_i = 0)."""
+        scaled = self.output * self.inv_output_norm2[..., None]
+        return torch.einsum("bie,hed->bhid", scaled, self.w_o)
+
+    @cached_property
+    def output_dot_values_per_norm2(self) -> Float[Tensor, "b h i t"]:
+        """``(B, H, I, T)``: ⟨o_i, ṽ_j^(h)⟩ / ‖o_i‖² (0 where o_i = 0).
+
+        The division is folded into the ``(I, d_h)`` factor :attr:`scaled_back` before
+        the product with the values, so it costs no pass over ``I × T``.
+        """
+        return self.scaled_back @ self.head_values.transpose(-1, -2)
+
+    @cached_property
     def head_output_dot_values(self) -> Float[Tensor, "b h i t"]:
         """``(B, H, I, T)``: ⟨o_i^(h), ṽ_j^(h)⟩ = ⟨Gram_h z_i^(h), v_j⟩."""
         return (self.head_states @ self.gram) @ self.head_values.transpose(-1, -2)
+
+    @cached_property
+    def head_output_dot_values_per_norm2(self) -> Float[Tensor, "b h i t"]:
+        """``(B, H, I, T)``: ⟨o_i^(h), ṽ_j^(h)⟩ / ‖o_i^(h)‖², the division folded into the
+        ``(I, d_h)`` factor as in :attr:`output_dot_values_per_norm2`."""
+        left = (self.head_states @ self.gram) * reciprocal(self.head_output_norm2)[..., None]
+        return left @ self.head_values.transpose(-1, -2)
 
     @cached_property
     def degenerate(self) -> Bool[Tensor, "b i"]:
@@ -218,34 +240,36 @@ class Factors:
 
     ``maps`` holds blocks ``(…, H, I, K)`` of stored measures by name; the norms are
     shaped to broadcast against them: ``value_norm`` ``(…, H, 1, K)`` (‖ṽ_j^(h)‖),
-    ``inv_output_norm`` ``(…, 1, I, 1)`` (1/‖o_i‖, 0 where o_i = 0) and ``valid``
-    ``(…, 1, I, K)`` (where the query may attend to the key).
+    ``output_norm`` ``(…, 1, I, 1)`` (‖o_i‖), ``inv_output_norm`` (1/‖o_i‖, 0 where
+    o_i = 0) and ``valid`` ``(…, 1, I, K)`` (where the query may attend to the key).
     """
 
     maps: dict[str, Tensor]
     value_norm: Tensor
-    inv_output_norm: Tensor
+    output_norm: Tensor
     valid: Tensor
+
+    @property
+    def inv_output_norm(self) -> Tensor:
+        return reciprocal(self.output_norm)
 
 
 # ---- the measures of the method (docs/method.md) -----------------------------------------
 Weights = Float[Tensor, "b h i t"]  # one value per batch item, head, query and key
 
 
-def attention(lt: LayerTensors) -> Weights:
-    return lt.probs
+def attention(lt: LayerTensors, out: Tensor | None = None) -> Weights:
+    return lt.probs if out is None else out.copy_(lt.probs)
 
 
-def contribution(lt: LayerTensors) -> Weights:
-    """ĉ_ij^(h) = ⟨o_i, α_ij ṽ_j^(h)⟩ / ‖o_i‖²."""
-    c = lt.probs * lt.output_dot_values
-    return c.mul_(lt.inv_output_norm2[:, None, :, None])
+def contribution(lt: LayerTensors, out: Tensor | None = None) -> Weights:
+    """ĉ_ij^(h) = ⟨o_i, α_ij ṽ_j^(h)⟩ / ‖o_i‖² (written into ``out`` when given)."""
+    return torch.mul(lt.probs, lt.output_dot_values_per_norm2, out=out)
 
 
-def intra(lt: LayerTensors) -> Weights:
+def intra(lt: LayerTensors, out: Tensor | None = None) -> Weights:
     """č_ij^(h) = ⟨o_i^(h), α_ij ṽ_j^(h)⟩ / ‖o_i^(h)‖²."""
-    c = lt.probs * lt.head_output_dot_values
-    return c.mul_(reciprocal(lt.head_output_norm2)[..., None])
+    return torch.mul(lt.probs, lt.head_output_dot_values_per_norm2, out=out)
 
 
 def relative_norm(lt: LayerTensors) -> Weights:
@@ -254,9 +278,9 @@ def relative_norm(lt: LayerTensors) -> Weights:
     return lt.masked_(r)
 
 
-def cosine(lt: LayerTensors) -> Weights:
-    """κ_ij^(h) = cos(o_i, ṽ_j^(h))."""
-    k = lt.output_dot_values * lt.inv_output_norm[:, None, :, None]
+def cosine(lt: LayerTensors, out: Tensor | None = None) -> Weights:
+    """κ_ij^(h) = cos(o_i, ṽ_j^(h)) = (⟨o_i, ṽ_j⟩/‖o_i‖²) · ‖o_i‖ / ‖ṽ_j‖."""
+    k = torch.mul(lt.output_dot_values_per_norm2, lt.output_norm[:, None, :, None], out=out)
     return lt.masked_(k.mul_(reciprocal(lt.value_norm)[:, :, None, :]))
 
 
@@ -275,6 +299,21 @@ def ihc(lt: LayerTensors) -> Weights:
     return contribution(lt).abs()
 
 
+def projection(lt: LayerTensors, out: Tensor | None = None) -> Weights:
+    """p_ij^(h) = ⟨o_i, ṽ_j^(h)⟩ / ‖o_i‖² (= r·κ), so that ĉ = α·p and κ = p·‖o_i‖/‖ṽ_j‖;
+    zero where the query may not attend to the key, like every map.
+
+    With ``out`` the product is written there and kept as the layer's cached factor, so
+    the contribution and cosine computed after it reuse it.
+    """
+    if out is None or "output_dot_values_per_norm2" in lt.__dict__:
+        p = lt.output_dot_values_per_norm2
+        return lt.masked(p) if out is None else lt.masked_(out.copy_(p))
+    torch.matmul(lt.scaled_back, lt.head_values.transpose(-1, -2), out=out)
+    lt.__dict__["output_dot_values_per_norm2"] = lt.masked_(out)  # later keys hold 0, as α
+    return out
+
+
 # Derived on access, with the arithmetic of the functions above (so bit for bit equal).
 def relative_norm_from(f: Factors) -> Tensor:
     r = f.value_norm * f.inv_output_norm
@@ -289,8 +328,22 @@ def vw_on_from(f: Factors) -> Tensor:
     return vw_from(f).mul_(f.inv_output_norm)
 
 
+def contribution_from(f: Factors) -> Tensor:
+    return torch.mul(f.maps["attention"], f.maps["projection"])
+
+
+def cosine_from(f: Factors) -> Tensor:
+    k = f.maps["projection"] * f.output_norm
+    k = k.mul_(reciprocal(f.value_norm))
+    return torch.where(f.valid, k, torch.zeros((), dtype=k.dtype, device=k.device))
+
+
 def ihc_from(f: Factors) -> Tensor:
     return f.maps["contribution"].abs()
+
+
+def ihc_from_factor(f: Factors) -> Tensor:
+    return contribution_from(f).abs_()
 
 
 def distance(lt: LayerTensors, max_elements: int = 1 << 25) -> Weights:

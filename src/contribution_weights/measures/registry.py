@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+import torch
 from jaxtyping import Float
 from torch import Tensor
 
@@ -45,6 +46,14 @@ def _as_is(w: Float[Tensor, "*lead h i t"]) -> Float[Tensor, "*lead h i t"]:
 
 
 @dataclass(frozen=True)
+class Recipe:
+    """One way to read a measure from stored maps: ``derive(Factors)`` given ``sources``."""
+
+    sources: tuple[str, ...]
+    derive: Callable[[Factors], Tensor]
+
+
+@dataclass(frozen=True)
 class Measure:
     """A per-layer, per-head, query × key quantity.
 
@@ -55,39 +64,44 @@ class Measure:
         normalise: ``(…, H, T, T) -> same`` scaling each query's weights to sum 1 over
             (head, key), or None for quantities that are not weights.
         signed: values may be negative (draw with a diverging colour scale).
-        sources: for a derived measure, the stored measures it is read from (empty for a
-            measure computed during the forward; ``relative_norm`` needs no map and
-            names none, see ``derive``).
-        derive: ``Factors -> (…, H, I, T)`` for derived measures, else None.
+        recipes: ways to read the measure from other stored maps and the per-layer norms,
+            in order of preference (:func:`stored_measures` plans which maps a trace keeps).
+        derived_only: never stored as a map of its own (it is a cheap function of one).
         in_all: part of ``"all"`` (``distance``, which costs T²·d per head and layer,
             and ``ihc``, which is ``|contribution|``, are not).
+        writes_out: ``compute(lt, out=dest)`` writes the result into ``dest`` (a trace
+            passes its storage, saving a copy of every map).
     """
 
     name: str
-    compute: Callable[[LayerTensors], Tensor]
+    compute: Callable[..., Tensor]
     description: str
     normalise: Callable[[Tensor], Tensor] | None = None
     signed: bool = False
-    sources: tuple[str, ...] = ()
-    derive: Callable[[Factors], Tensor] | None = None
+    recipes: tuple[Recipe, ...] = ()
+    derived_only: bool = False
     in_all: bool = True
+    writes_out: bool = False
 
     @property
     def is_weight(self) -> bool:
         return self.normalise is not None
 
-    @property
-    def is_derived(self) -> bool:
-        return self.derive is not None
+    def recipe(self, stored: Iterable[str]) -> Recipe | None:
+        """The first recipe whose sources are all in ``stored``."""
+        have = set(stored)
+        return next((r for r in self.recipes if set(r.sources) <= have), None)
 
     @property
     def how(self) -> str:
         """How a trace gets this measure, for ``cw measures`` and the docs."""
-        if self.derive is None:
-            return "computed (T × T)"
-        if not self.sources:
-            return "derived from the norms"
-        return f"derived from {', '.join(self.sources)}"
+        ways = [
+            "from the norms" if not r.sources else "from " + " and ".join(r.sources)
+            for r in self.recipes
+        ]
+        if self.derived_only:
+            return "derived " + ", or ".join(ways)
+        return "computed" + (f", or derived {', or '.join(ways)}" if ways else "")
 
 
 _MEASURES: dict[str, Measure] = {}
@@ -131,14 +145,28 @@ def resolve_measures(measures: str | Iterable[str] | None) -> list[str]:
     return names
 
 
+_RELATIVE_NORM = Recipe((), layer.relative_norm_from)
+_VW = Recipe(("attention",), layer.vw_from)
+_VW_ON = Recipe(("attention",), layer.vw_on_from)
+_CONTRIBUTION = Recipe(("attention", "projection"), layer.contribution_from)
+_COSINE = Recipe(("projection",), layer.cosine_from)
+_IHC = (
+    Recipe(("contribution",), layer.ihc_from),
+    Recipe(_CONTRIBUTION.sources, layer.ihc_from_factor),
+)
+
 for _m in (
-    Measure("attention", layer.attention, "attention probability α", _divide_by_heads),
+    Measure(
+        "attention", layer.attention, "attention probability α", _divide_by_heads, writes_out=True
+    ),
     Measure(
         "contribution",
         layer.contribution,
-        "inter-head contribution ĉ = ⟨o_i, α ṽ_j⟩/‖o_i‖²",
+        "inter-head contribution ĉ = ⟨o_i, α ṽ_j⟩/‖o_i‖² = α·p",
         _as_is,
         signed=True,
+        recipes=(_CONTRIBUTION,),
+        writes_out=True,
     ),
     Measure(
         "intra",
@@ -146,29 +174,38 @@ for _m in (
         "intra-head contribution č = ⟨o_i^h, α ṽ_j⟩/‖o_i^h‖²",
         _divide_by_heads,
         signed=True,
+        writes_out=True,
     ),
     Measure(
         "relative_norm",
         layer.relative_norm,
         "relative norm r = ‖ṽ_j‖/‖o_i‖",
-        derive=layer.relative_norm_from,
+        recipes=(_RELATIVE_NORM,),
+        derived_only=True,
     ),
-    Measure("cosine", layer.cosine, "cosine κ = cos(o_i, ṽ_j)", signed=True),
+    Measure(
+        "cosine",
+        layer.cosine,
+        "cosine κ = cos(o_i, ṽ_j) = p·‖o_i‖/‖ṽ_j‖",
+        signed=True,
+        recipes=(_COSINE,),
+        writes_out=True,
+    ),
     Measure(
         "vw",
         layer.vw,
         "value-weighted attention α‖ṽ_j‖",
         _per_query_sum,
-        sources=("attention",),
-        derive=layer.vw_from,
+        recipes=(_VW,),
+        derived_only=True,
     ),
     Measure(
         "vw_on",
         layer.vw_on,
         "output-normalised value-weighted α‖ṽ_j‖/‖o_i‖",
         _per_query_sum,
-        sources=("attention",),
-        derive=layer.vw_on_from,
+        recipes=(_VW_ON,),
+        derived_only=True,
     ),
     Measure(
         "distance",
@@ -182,9 +219,17 @@ for _m in (
         layer.ihc,
         "|ĉ|, the importance used for faithfulness",
         _per_query_sum,
-        sources=("contribution",),
-        derive=layer.ihc_from,
+        recipes=_IHC,
+        derived_only=True,
         in_all=False,
+    ),
+    Measure(
+        "projection",
+        layer.projection,
+        "p = ⟨o_i, ṽ_j⟩/‖o_i‖² = r·κ, the factor a trace stores for ĉ = α·p and κ",
+        signed=True,
+        in_all=False,
+        writes_out=True,
     ),
 ):
     register_measure(_m)
@@ -194,18 +239,35 @@ def compute_measures(lt: LayerTensors, names: Sequence[str]) -> dict[str, Tensor
     return {name: get_measure(name).compute(lt) for name in names}
 
 
-def stored_measures(names: Sequence[str]) -> list[str]:
-    """The measures a trace of ``names`` computes as maps: those that are not derived,
-    and the sources of those that are, in registry order."""
-    wanted: set[str] = set()
+def stored_measures(names: Sequence[str], dtype: torch.dtype = torch.float32) -> list[str]:
+    """The maps a trace of ``names`` computes and keeps, in registry order; the other
+    measures are derived from them when read (:attr:`Measure.recipes`).
+
+    With the attention α kept (for ``attention``, ``vw`` or ``vw_on``), the contribution
+    and the cosine both come from one more map, p = ⟨o_i, ṽ_j⟩/‖o_i‖² (ĉ = α·p and
+    κ = p·‖o_i‖/‖ṽ_j‖, the very arithmetic of computing them), unless the storage dtype is
+    float16, whose range p (= r·κ, unbounded as ‖o_i‖ → 0) may exceed.
+    """
+    wanted = set(names)
+    stored: set[str] = set()
+    if wanted & {"attention", "vw", "vw_on"}:
+        stored.add("attention")
+    pairs = wanted & {"contribution", "ihc"} and "attention" in stored
+    if dtype != torch.float16 and ("cosine" in wanted or pairs):
+        stored.add("projection")
+        if wanted & {"contribution", "ihc"}:
+            stored.add("attention")
     for name in names:
         m = get_measure(name)
-        wanted.update(m.sources if m.is_derived else (name,))
-    return [m for m in measure_names() if m in wanted]
+        if name in stored or m.recipe(stored) is not None:
+            continue
+        stored.update(m.recipes[0].sources if m.derived_only else (name,))
+    return [m for m in measure_names() if m in stored]
 
 
 __all__ = [
     "Measure",
+    "Recipe",
     "compute_measures",
     "get_measure",
     "measure_names",
