@@ -1,11 +1,19 @@
 """Benchmark: cost of cw.trace against an eager forward and the naive (H, T, T, d) approach.
 
 Run with ``make bench`` (or ``python benchmarks/bench_trace.py --out bench-out``). For each
-sequence length T, in one run and on one machine, it measures on SmolLM2-135M:
+sequence length T, in one run and on one machine, it measures on SmolLM2-135M (or
+``--model gemma3-270m``):
 
 * ``eager``: the model's eager forward with ``output_attentions=True`` (the baseline);
-* ``contribution``: ``cw.trace`` with ``measures="contribution"``;
-* ``all-but-distance``: ``cw.trace`` with every measure except ``distance``;
+* ``sdpa``: the model's own sdpa forward (the floor; the only baseline that runs at long
+  context, where eager attention with ``output_attentions`` cannot);
+* ``contribution``: ``cw.trace`` with ``measures="contribution"``, maps in memory;
+* ``default``: ``cw.trace`` with the default measures (``"all"``: every measure but
+  ``distance`` and ``ihc``), maps in memory;
+* ``layers3``: the default measures for three layers (first, middle, last) of the model;
+* ``no-maps``: the default measures, ``maps=False`` (reductions only);
+* ``stream-f16``: ``contribution`` and ``attention`` for every layer streamed to a
+  temporary folder in float16 (the folder's size is reported);
 * ``naive``: the approach of existing tools (LLM-transparency-tool, ALTI): eager forward
   with hooks, then per layer the full ``(H, T, T, d)`` tensor of α_ij ṽ_j^(h), from which
   ĉ is read.
@@ -31,7 +39,8 @@ import threading
 import time
 from pathlib import Path
 
-METHODS = ["eager", "contribution", "all-but-distance", "naive"]
+METHODS = ["eager", "sdpa", "contribution", "default", "naive"]
+ALL_METHODS = [*METHODS, "layers3", "no-maps", "stream-f16"]
 SHARED_TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "fineweb_edu"
 
 
@@ -70,7 +79,7 @@ def benchmark_ids(model, length: int):
     texts: list[str] = []
     jsonl = SHARED_TEXT / "fineweb_edu_sample10BT_150docs.jsonl"
     if jsonl.exists():
-        texts = [json.loads(line)["text"] for line in jsonl.read_text().splitlines()[:40]]
+        texts = [json.loads(line)["text"] for line in jsonl.read_text().splitlines()]
     else:
         from importlib.resources import files
 
@@ -122,7 +131,14 @@ def naive_contributions(model, ids):
     return result
 
 
-def worker(method: str, length: int, repeats: int, threads: int) -> dict:
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def worker(method: str, length: int, repeats: int, threads: int, model_name: str) -> dict:
+    import shutil
+    import tempfile
+
     import torch
 
     import contribution_weights as cw
@@ -130,20 +146,40 @@ def worker(method: str, length: int, repeats: int, threads: int) -> dict:
     if threads > 0:
         torch.set_num_threads(threads)
 
-    model = cw.load_model()
+    model = cw.load_model(model_name)
     if method in ("eager", "naive"):
         model.model.set_attn_implementation("eager")
+    elif method == "sdpa":
+        model.model.set_attn_implementation("sdpa")
     ids = benchmark_ids(model, length)
-    all_but_distance = [m for m in cw.measure_names() if m not in ("distance", "ihc")]
+    n = model.num_layers
+    stream = Path(tempfile.mkdtemp(prefix="cw-bench-"))
+    disk = 0
 
     def run_once() -> None:
+        nonlocal disk
         with torch.no_grad():
             if method == "eager":
                 model.model(input_ids=ids[None], output_attentions=True, use_cache=False)
+            elif method == "sdpa":
+                model.model(input_ids=ids[None], use_cache=False, logits_to_keep=1)
             elif method == "contribution":
                 cw.trace(model, ids, measures="contribution")
-            elif method == "all-but-distance":
-                cw.trace(model, ids, measures=all_but_distance)
+            elif method == "default":
+                cw.trace(model, ids)
+            elif method == "layers3":
+                cw.trace(model, ids, layers=[0, n // 2, n - 1])
+            elif method == "no-maps":
+                cw.trace(model, ids, maps=False)
+            elif method == "stream-f16":
+                cw.trace(
+                    model,
+                    ids,
+                    measures=["contribution", "attention"],
+                    storage_dtype="float16",
+                    out=stream,
+                )
+                disk = folder_bytes(stream)
             elif method == "naive":
                 naive_contributions(model, ids)
             else:
@@ -159,21 +195,26 @@ def worker(method: str, length: int, repeats: int, threads: int) -> dict:
             start = time.perf_counter()
             run_once()
             times.append(time.perf_counter() - start)
+    shutil.rmtree(stream, ignore_errors=True)
     return {
         "method": method,
         "tokens": length,
         "seconds": statistics.median(times),
         "runs": times,
         "peak_mb": (rss.peak - base) / 2**20,
+        "disk_mb": disk / 2**20,
     }
 
 
 def run_worker_process(
-    method: str, length: int, repeats: int, mem_limit_gb: float, threads: int
+    method: str, length: int, repeats: int, mem_limit_gb: float, threads: int, model: str
 ) -> dict:
     cmd = [sys.executable, __file__, "--worker", method, str(length), str(repeats)]
-    cmd += ["--mem-limit-gb", str(mem_limit_gb), "--threads", str(threads)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    cmd += ["--mem-limit-gb", str(mem_limit_gb), "--threads", str(threads), "--model", model]
+    env = dict(os.environ)
+    if threads > 1:  # two OpenMP threads on a shared 2-core machine spin-wait without this
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode == 0 and lines:
         return json.loads(lines[-1])
@@ -190,19 +231,26 @@ def run_worker_process(
 
 def markdown(results: list[dict]) -> str:
     base = {r["tokens"]: r["seconds"] for r in results if r["method"] == "eager"}
+    floor = {r["tokens"]: r["seconds"] for r in results if r["method"] == "sdpa"}
     naive = {r["tokens"]: r["seconds"] for r in results if r["method"] == "naive"}
     lines = [
-        "| T | method | wall s | × eager | naive ÷ this | peak MB above loaded model |",
-        "| ---: | --- | ---: | ---: | ---: | ---: |",
+        "| T | method | wall s | × eager | × sdpa | naive ÷ this | peak MB above loaded model "
+        "| disk MB |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results:
         t, s = r["tokens"], r["seconds"]
         if s is None:
-            lines.append(f"| {t} | {r['method']} | {r.get('error')} | | | |")
+            lines.append(f"| {t} | {r['method']} | {r.get('error')} | | | | | |")
             continue
         ratio = f"{s / base[t]:.2f}" if base.get(t) else ""
+        over = f"{s / floor[t]:.2f}" if floor.get(t) else ""
         speed = f"{naive[t] / s:.1f}" if naive.get(t) and r["method"] != "naive" else ""
-        lines.append(f"| {t} | {r['method']} | {s:.3f} | {ratio} | {speed} | {r['peak_mb']:.0f} |")
+        disk = f"{r['disk_mb']:.0f}" if r.get("disk_mb") else ""
+        lines.append(
+            f"| {t} | {r['method']} | {s:.3f} | {ratio} | {over} | {speed} | "
+            f"{r['peak_mb']:.0f} | {disk} |"
+        )
     return "\n".join(lines)
 
 
@@ -210,7 +258,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", nargs=3, metavar=("METHOD", "T", "REPEATS"))
     parser.add_argument("--lengths", default="128,512,1024,2048")
-    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument(
+        "--methods", default=",".join(METHODS), help=f"any of {','.join(ALL_METHODS)}"
+    )
+    parser.add_argument("--model", default="smollm2", help="smollm2 or gemma3-270m")
     parser.add_argument("--repeats", type=int, default=3, help="runs per point at T <= 512")
     parser.add_argument("--mem-limit-gb", type=float, default=20.0)
     parser.add_argument(
@@ -224,28 +275,33 @@ def main() -> int:
         limit = int(args.mem_limit_gb * 2**30)
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
         method, length, repeats = args.worker
-        print(json.dumps(worker(method, int(length), int(repeats), args.threads)))
+        result = worker(method, int(length), int(repeats), args.threads, args.model)
+        print(json.dumps(result))
         return 0
     results = []
     for length in [int(x) for x in args.lengths.split(",")]:
         for method in args.methods.split(","):
             # the naive baseline is slow and its spread small against its cost: one run
             repeats = args.repeats if length <= 512 and method != "naive" else 1
-            r = run_worker_process(method, length, repeats, args.mem_limit_gb, args.threads)
+            r = run_worker_process(
+                method, length, repeats, args.mem_limit_gb, args.threads, args.model
+            )
             results.append(r)
             shown = f"{r['seconds']:.3f} s" if r["seconds"] is not None else r["error"]
             print(f"T={length:5d} {method:17s} {shown}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     threads = args.threads or "default"
+    policy = " (OMP_WAIT_POLICY=PASSIVE)" if args.threads > 1 else ""
     machine = (
-        f"{platform.machine()}, {os.cpu_count()} CPUs, torch threads: {threads}, "
-        f"Python {platform.python_version()}"
+        f"{platform.machine()}, {os.cpu_count()} CPUs, torch threads: {threads}{policy}, "
+        f"Python {platform.python_version()}, model {args.model}"
     )
-    (args.out / "bench_trace.json").write_text(
+    stem = f"bench_trace-{args.model}-t{threads}"
+    (args.out / f"{stem}.json").write_text(
         json.dumps({"machine": machine, "results": results}, indent=2)
     )
     table = markdown(results)
-    (args.out / "bench_trace.md").write_text(f"Machine: {machine}\n\n{table}\n")
+    (args.out / f"{stem}.md").write_text(f"Machine: {machine}\n\n{table}\n")
     print(f"\nMachine: {machine}\n\n{table}")
     return 0
 

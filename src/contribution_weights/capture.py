@@ -21,7 +21,11 @@ other threads or tasks do not see each other. Per layer the function builds a
   attention columns (``(B, H, T_k)``; multiplying column j by 0 removes ṽ_j from every
   query, SPEC §4), and
 * :class:`Observer` objects, shown each block of queries with the probabilities that
-  were actually used. An observer may say which layers it wants (``wants(layer_idx)``);
+  were actually used. Observers that set ``key_spans = True`` are shown, for each
+  block, only the range of keys its queries can attend to (``call.keys``; causal rows
+  see no later key, sliding-window rows nothing before their window), which is all the
+  work done: at long context, half the keys of a causal layer and nearly all of a
+  sliding-window one are skipped. An observer may say which layers it wants (``wants(layer_idx)``);
   a layer that no observer wants and that no intervention changes is sent to the
   model's own sdpa kernel (``skipped(call)`` tells the observers), so tracing three
   layers of thirty costs little more than a plain forward.
@@ -75,6 +79,8 @@ class LayerCall:
     session: CaptureSession
     # the block being shown to observers: its probabilities and α @ v, (B, H, I, d_h)
     block: tuple[Tensor, Tensor] | None = None
+    # the keys that block covers (all when None; see CaptureSession.attend)
+    keys: slice | None = None
 
     @property
     def batch(self) -> int:
@@ -109,23 +115,49 @@ class LayerCall:
         b, g, t, d = x.shape
         return x[:, :, None].expand(b, g, rep, t, d).reshape(b, g * rep, t, d)
 
-    def probs(self, rows: slice, batch: Tensor | None = None) -> Tensor:
-        """``(B, H, I, Tk)`` attention probabilities for query rows, as eager computes them.
+    def key_span(self, rows: slice) -> slice:
+        """The keys any query of ``rows`` may attend to, as one range ``[k0, k1)``.
+
+        Causal rows ``q0 … q1−1`` see no key past ``q1−1`` and, in a sliding-window layer,
+        none before the first row's window: probabilities outside the span are exactly 0,
+        so work on them can be skipped. Read off the mask (the whole batch's union).
+        """
+        t = self.k_len
+        mask = self.attention_mask
+        if mask is None:
+            return slice(0, min(t, rows.stop + (t - self.q_len)))
+        first = mask[:, 0, rows.start, :t]
+        last = mask[:, 0, rows.stop - 1, :t]
+        if mask.dtype != torch.bool:
+            first = first > torch.finfo(mask.dtype).min / 2
+            last = last > torch.finfo(mask.dtype).min / 2
+        seen_first, seen_last = first.any(0), last.any(0)
+        if not bool(seen_first.any()) or not bool(seen_last.any()):
+            return slice(0, t)
+        k0 = int(seen_first.int().argmax())
+        k1 = t - int(seen_last.flip(0).int().argmax())
+        return slice(0, t) if k1 <= k0 else slice(k0, k1)
+
+    def probs(self, rows: slice, batch: Tensor | None = None, keys: slice | None = None) -> Tensor:
+        """``(B, H, I, K)`` attention probabilities for query rows, as eager computes them.
 
         ``batch``: indices of the batch rows wanted (all when None); only those are computed.
+        ``keys``: a range of keys (all when None); outside :meth:`key_span` every
+        probability is 0, so the range's probabilities equal those of the whole row.
         """
-        query, key = self.query[:, :, rows], self.key
+        keys = slice(0, self.k_len) if keys is None else keys
+        query, key = self.query[:, :, rows], self.key[:, :, keys]
         if batch is not None:
             query, key = query.index_select(0, batch), key.index_select(0, batch)
-        keys = self._expanded(key)
+        keys_ = self._expanded(key)
         mask = self.attention_mask
         if mask is not None:
-            mask = mask[:, :, rows, : self.k_len]
+            mask = mask[:, :, rows, keys]
             if batch is not None and mask.shape[0] > 1:
                 mask = mask.index_select(0, batch)
-        scores = self._fused_scores(query, keys, mask)
+        scores = self._fused_scores(query, keys_, mask)
         if scores is None:
-            scores = torch.matmul(query, keys.transpose(2, 3)) * self.scaling
+            scores = torch.matmul(query, keys_.transpose(2, 3)) * self.scaling
             if self.softcap is not None:
                 scores = torch.tanh(scores / self.softcap) * self.softcap
             if mask is not None:
@@ -155,44 +187,55 @@ class LayerCall:
         )
         return scores.view(1, h, i, t)
 
-    def valid(self, rows: slice, batch: Tensor | None = None) -> Tensor:
-        """``(B, I, Tk)`` bool: where each query may attend (``batch``: those rows only)."""
+    def valid(self, rows: slice, batch: Tensor | None = None, keys: slice | None = None) -> Tensor:
+        """``(B, I, K)`` bool: where each query may attend (``batch``: those rows only;
+        ``keys``: that range of keys only)."""
         b = self.batch if batch is None else int(batch.numel())
-        i, t = rows.stop - rows.start, self.k_len
+        t = self.k_len
+        keys = slice(0, t) if keys is None else keys
+        i, k = rows.stop - rows.start, keys.stop - keys.start
         mask = self.attention_mask
         if mask is None:
             q_pos = torch.arange(rows.start, rows.stop, device=self.query.device) + (t - self.q_len)
-            causal = torch.arange(t, device=self.query.device)[None, :] <= q_pos[:, None]
-            return causal.expand(b, i, t)
-        mask = mask[:, 0, rows, :t]
+            key_pos = torch.arange(keys.start, keys.stop, device=self.query.device)
+            causal = key_pos[None, :] <= q_pos[:, None]
+            return causal.expand(b, i, k)
+        mask = mask[:, 0, rows, keys]
         if batch is not None and mask.shape[0] > 1:
             mask = mask.index_select(0, batch)
         ok = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
-        return ok.expand(b, i, t)
+        return ok.expand(b, i, k)
 
     def output_blocks(self, dtype: torch.dtype) -> tuple[Tensor, Tensor | None, Tensor]:
         """Per-head ``W_O`` blocks ``(H, d, d_h)``, bias and Gram matrices, in ``dtype``."""
         return self.session.output_projection(self, dtype)
 
     def layer_tensors(
-        self, rows: slice, probs: Tensor, dtype: torch.dtype, batch: Tensor | None = None
+        self,
+        rows: slice,
+        probs: Tensor,
+        dtype: torch.dtype,
+        batch: Tensor | None = None,
+        keys: slice | None = None,
     ) -> LayerTensors:
         """The pure-maths view of this layer for a block of queries, in ``dtype``.
 
         ``batch`` selects batch rows (``probs`` must then hold just those rows), as for
-        :meth:`probs` and :meth:`valid`.
+        :meth:`probs` and :meth:`valid`; ``keys`` a range of keys (``probs`` then holds
+        just those; the measures come out ``(…, K)`` for keys ``keys.start …``).
         """
         w_o, b_o, gram = self.output_blocks(dtype)
         states = None
         if self.block is not None and self.block[0] is probs and self.block[1].dtype == dtype:
             states = self.block[1]  # reuse α @ v computed for the model's output
-        values = self.value if batch is None else self.value.index_select(0, batch)
+        values = self.value if keys is None else self.value[:, :, keys]
+        values = values if batch is None else values.index_select(0, batch)
         return LayerTensors(
             probs.to(dtype),
             values.to(dtype),
             w_o,
             b_o,
-            self.valid(rows, batch),
+            self.valid(rows, batch, keys),
             gram=gram,
             head_states=states,
         )
@@ -255,17 +298,21 @@ class CaptureSession:
             return self._unobserved(call)
         scale = self.intervention.column_scale(call) if self.intervention is not None else None
         values = call._expanded(call.value)
+        # observers that take blocks narrowed to their keys' span (``key_spans = True``)
+        # are shown only those keys, and nothing is computed for the keys outside it
+        narrow = scale is None and all(getattr(o, "key_spans", False) for o in self.observers)
         outputs = []
         for rows in call.row_blocks():
-            probs = call.probs(rows)
+            keys = call.key_span(rows) if narrow else None
+            probs = call.probs(rows, keys=keys)
             if scale is not None:
                 probs = probs * scale[:, :, None, :].to(probs.dtype)
-            block = torch.matmul(probs, values)
-            call.block = (probs, block)
+            block = torch.matmul(probs, values if keys is None else values[:, :, keys])
+            call.block, call.keys = (probs, block), keys
             for observer in self.observers:
                 observer.observe(call, rows, probs)
             outputs.append(block)
-        call.block = None
+        call.block, call.keys = None, None
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
         return out.transpose(1, 2).contiguous()
 

@@ -360,7 +360,7 @@ class Trace:
     def top_k(self, name: str, k: int = DEFAULT_TOP_K) -> tuple[Tensor, Tensor]:
         """``(values, keys)``, each ``(L, H, T, k)``: the k keys with the largest weight per
         query (largest |w| for signed measures), in decreasing order; key −1 (value 0)
-        where a query has fewer than k keys it may attend to."""
+        where a query has fewer than k keys of nonzero weight."""
         r = self.reduced(name, top_k=k)
         if r.top_values is None or r.top_keys is None:
             raise ValueError(f"{name!r} is not a weight measure; top-k is kept for weights")

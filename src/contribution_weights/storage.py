@@ -77,8 +77,9 @@ class MapStore(Protocol):
 
     names: list[str]
 
-    def write(self, name: str, pos: int, rows: slice, block: Tensor) -> None:
-        """Store ``block`` ``(H, I, T)``: rows ``rows`` of measure ``name`` at layer ``pos``."""
+    def write(self, name: str, pos: int, rows: slice, block: Tensor, first_key: int = 0) -> None:
+        """Store ``block`` ``(H, I, K)``: rows ``rows`` of measure ``name`` at layer ``pos``,
+        keys ``first_key … first_key + K − 1`` (the other keys of those rows are 0)."""
         ...
 
     def read(self, name: str, pos: int, heads: slice, rows: slice) -> Tensor:
@@ -107,15 +108,16 @@ class DenseMaps:
         self.names = list(names)
         self.dtype = dtype
         shape = (num_layers, num_heads, num_tokens, num_tokens)
-        # every traced layer writes all its rows, so no zero-fill pass is needed
-        self.tensors = {n: torch.empty(shape, dtype=dtype, device=device) for n in names}
+        # zero-filled: blocks cover only the keys their queries can see
+        self.tensors = {n: torch.zeros(shape, dtype=dtype, device=device) for n in names}
 
-    def destination(self, name: str, pos: int, rows: slice) -> Tensor:
-        """The ``(H, I, T)`` view a block is written to (for ``out=`` writes)."""
-        return self.tensors[name][pos, :, rows]
+    def destination(self, name: str, pos: int, rows: slice, keys: slice) -> Tensor:
+        """The ``(H, I, K)`` view a block is written to (for ``out=`` writes)."""
+        return self.tensors[name][pos, :, rows, keys]
 
-    def write(self, name: str, pos: int, rows: slice, block: Tensor) -> None:
-        dest = self.tensors[name][pos, :, rows]
+    def write(self, name: str, pos: int, rows: slice, block: Tensor, first_key: int = 0) -> None:
+        keys = slice(first_key, first_key + block.shape[-1])
+        dest = self.tensors[name][pos, :, rows, keys]
         if block.data_ptr() != dest.data_ptr():
             dest.copy_(block)
 
@@ -206,14 +208,21 @@ class PackedMaps:
         if pos not in self._fds:
             self._open_for_write(pos, "tril" if causal else "full")
 
-    def write(self, name: str, pos: int, rows: slice, block: Tensor) -> None:
+    def write(self, name: str, pos: int, rows: slice, block: Tensor, first_key: int = 0) -> None:
         if pos not in self._fds:
             self.start_layer(pos, causal=True)
         fd = self._fds[pos]
-        h, i, t = block.shape
+        h, i, k = block.shape
+        t = self.num_tokens
         size = torch.empty((), dtype=self.dtype).element_size()
-        if self.layouts[pos] == "tril":
-            mask = causal_rows_mask(rows.start, i, t, block.device)
+        tril = self.layouts[pos] == "tril"
+        width = rows.stop if tril else t  # a packed row q holds keys 0 … q
+        if first_key != 0 or k != width:
+            full = torch.zeros(h, i, width, dtype=block.dtype, device=block.device)
+            full[..., first_key : first_key + k] = block[..., : width - first_key]
+            block = full
+        if tril:
+            mask = causal_rows_mask(rows.start, i, width, block.device)
             data = block.to(self.dtype)[:, mask]  # (H, packed entries of the rows)
             per_head, first = packed_offset(t), packed_offset(rows.start)
         else:
@@ -286,7 +295,7 @@ class LegacyMaps:
             self._handle = safe_open(str(self.path), framework="pt")
         return self._handle
 
-    def write(self, name: str, pos: int, rows: slice, block: Tensor) -> None:
+    def write(self, name: str, pos: int, rows: slice, block: Tensor, first_key: int = 0) -> None:
         raise TraceFileError(f"{self.path} is read-only")
 
     def read(self, name: str, pos: int, heads: slice, rows: slice) -> Tensor:

@@ -91,6 +91,8 @@ class TraceRecorder:
     progress: Any = None  # a bar advanced once per block of queries
     blocks_per_layer: int = 1
 
+    key_spans = True  # blocks come narrowed to the keys their queries can see
+
     def __post_init__(self) -> None:
         self._position = {layer: pos for pos, layer in enumerate(self.layers)}
         self.stored = list(self.store.names) if self.store is not None else []
@@ -122,17 +124,16 @@ class TraceRecorder:
             return
         if not self.vectors:
             self._allocate(call)
-        lt = call.layer_tensors(rows, probs, self.dtype)
-        valid = lt.valid[0]
-        start, stop = _key_range(valid, call.layer_idx, rows)
+        keys = call.keys if call.keys is not None else slice(0, call.k_len)
+        k0 = keys.start
+        lt = call.layer_tensors(rows, probs, self.dtype, keys=call.keys)
+        start, stop = _key_range(lt.valid[0], call.layer_idx, rows)
         v = self.vectors
-        v["key_start"][pos, rows] = start
-        v["key_stop"][pos, rows] = stop
+        v["key_start"][pos, rows] = start + k0
+        v["key_stop"][pos, rows] = stop + k0
         if isinstance(self.store, PackedMaps) and rows.start == 0:
-            self.store.start_layer(
-                pos,
-                causal=bool((stop <= torch.arange(1, stop.numel() + 1, device=stop.device)).all()),
-            )
+            causal = bool((v["key_stop"][pos, rows] <= torch.arange(1, rows.stop + 1)).all())
+            self.store.start_layer(pos, causal=causal and call.q_len == call.k_len)
         computed: dict[str, Tensor] = {}
         direct = isinstance(self.store, DenseMaps) and self.store.dtype == self.dtype
         for name in self.stored:
@@ -140,28 +141,48 @@ class TraceRecorder:
             assert self.store is not None
             if direct and measure.writes_out:
                 assert isinstance(self.store, DenseMaps)
-                dest = self.store.destination(name, pos, rows)
+                dest = self.store.destination(name, pos, rows, keys)
                 computed[name] = measure.compute(lt, out=dest[None])[0]
             else:
                 computed[name] = measure.compute(lt)[0]
-                self.store.write(name, pos, rows, computed[name])
+                self.store.write(name, pos, rows, computed[name], k0)
         if self.reducer is not None:
-            for name in self.measures:
-                w = computed.get(name)
-                if w is None:
-                    w = get_measure(name).compute(lt)[0]
-                self.reducer.add(name, pos, rows.start, w)
+            self._reduce(lt, pos, rows, computed, k0)
         v["bias_share"][pos, rows] = lt.bias_share[0]
         v["degenerate"][pos, rows] = lt.degenerate[0]
         v["degenerate_heads"][pos, :, rows] = lt.degenerate_heads[0]
         v["output_norm"][pos, rows] = lt.output_norm[0]
-        if rows.start == 0:
-            v["zero_values"][pos] = lt.zero_values[0]
-            v["value_norm"][pos] = lt.value_norm[0]
+        v["zero_values"][pos, :, keys] = lt.zero_values[0]
+        v["value_norm"][pos, :, keys] = lt.value_norm[0]
         if isinstance(self.store, PackedMaps) and rows.stop == call.q_len:
             self.store.finish_layer(pos)
         if self.progress is not None:
             self.progress.update(1)
+
+    def _reduce(self, lt: Any, pos: int, rows: slice, computed: dict[str, Tensor], k0: int) -> None:
+        """Fold this block into the reductions; measures that are row scalings, absolute
+        values or rank-one products of others reuse those (see ReductionAccumulator)."""
+        assert self.reducer is not None
+        red, names, q0 = self.reducer, self.measures, rows.start
+        shortcuts = {"vw_on": "vw", "ihc": "contribution", "relative_norm": None}
+        blocks: dict[str, Tensor] = {}
+        for name in names:
+            base = shortcuts.get(name, "")
+            if name in shortcuts and (base is None or base in names):
+                continue
+            w = computed.get(name)
+            if w is None:
+                w = get_measure(name).compute(lt)[0]
+            magnitude = red.add(name, pos, q0, w, k0)
+            blocks[name] = magnitude if name == "contribution" else w
+        if "vw_on" in names and "vw" in blocks:
+            inv_o = lt.inv_output_norm[0]
+            red.add_row_scaled("vw_on", "vw", pos, q0, blocks["vw"], inv_o, k0)
+        if "ihc" in names and "contribution" in blocks:
+            red.add_abs_of("ihc", "contribution", pos, q0, blocks["contribution"], k0)
+        if "relative_norm" in names:
+            vn, inv_o, valid = lt.value_norm[0], lt.inv_output_norm[0], lt.valid[0]
+            red.add_rank_one("relative_norm", pos, q0, vn, inv_o, valid, k0)
 
 
 def _key_range(valid: Tensor, layer: int, rows: slice) -> tuple[Tensor, Tensor]:

@@ -25,13 +25,14 @@ float rounding.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
-from jaxtyping import Float
+from jaxtyping import Bool, Float
 from torch import Tensor
 
-from .aggregates import first_token_weight, later_query_mean, later_query_sums, normalised
+from .aggregates import first_token_weight, later_query_mean, normalised
 from .registry import get_measure
 
 DEFAULT_TOP_K = 8
@@ -129,30 +130,171 @@ class ReductionAccumulator:
                 top_keys=torch.zeros(*shape, k, dtype=torch.int32, device=device) if k else None,
             )
 
-    def add(self, name: str, pos: int, first_query: int, w: Float[Tensor, "h i t"]) -> None:
-        """Fold in rows ``first_query … first_query + I − 1`` of layer ``pos``."""
+    def add(
+        self,
+        name: str,
+        pos: int,
+        first_query: int,
+        w: Float[Tensor, "h i k"],
+        first_key: int = 0,
+    ) -> Tensor:
+        """Fold in rows ``first_query …`` of layer ``pos``; ``w`` holds keys
+        ``first_key … first_key + K − 1`` (the rest are zero: outside a sliding window).
+
+        Maps are zero where a query may not attend (later keys), so sums over all rows
+        are sums over the queries i ≥ j. Returns ``|w|`` (or ``w`` for non-negative
+        measures) for shortcuts of measures derived from this one.
+        """
         r = self.results[name]
         rows = slice(first_query, first_query + w.shape[-2])
+        keys = slice(first_key, first_key + w.shape[-1])
         w = w.to(r.token_sums.dtype)
-        r.token_sums[pos] += later_query_sums(w, first_query)
-        r.first[pos, :, rows] = w[..., 0]
-        r.row_sum[pos, :, rows] = w.sum(-1)
-        if not get_measure(name).is_weight:
-            return
-        a = w.abs()
-        r.entropy[pos, :, rows] = row_entropy(a)
-        r.entropy_excl_first[pos, :, rows] = row_entropy(a[..., 1:])
+        r.token_sums[pos, :, keys] += w.sum(-2)
+        r.first[pos, :, rows] = w[..., 0] if first_key == 0 else 0
+        m = get_measure(name)
+        a = w.abs() if m.signed else w
+        if not m.is_weight:
+            r.row_sum[pos, :, rows] = w.sum(-1)
+            return a
+        total = a.sum(-1)
+        r.row_sum[pos, :, rows] = total if not m.signed else w.sum(-1)
+        a_log_a = sum_a_log_a(a)
+        r.entropy[pos, :, rows] = _entropy(total, a_log_a)
+        if first_key == 0:
+            a0 = a[..., 0]
+            excl = _entropy(total - a0, a_log_a + torch.special.entr(a0))
+        else:
+            excl = r.entropy[pos, :, rows]
+        r.entropy_excl_first[pos, :, rows] = excl
         if first_query == 0:
             r.entropy_excl_first[pos, :, 0] = 0
         if r.top_values is not None and r.top_keys is not None:
-            signed = get_measure(name).signed
-            # rank only the keys j <= i a query may see (later keys hold zeros)
-            query = torch.arange(rows.start, rows.stop, device=w.device)[None, :, None]
-            later = torch.arange(w.shape[-1], device=w.device)[None, None, :] > query
-            rank = (a if signed else w).masked_fill(later, float("-inf"))
-            _, keys = torch.topk(rank, self.top_k, dim=-1)
-            values = w.gather(-1, keys)
-            # a query i has i + 1 keys j <= i: the rest of its k are marked key -1, value 0
-            beyond = torch.arange(self.top_k, device=w.device)[None, None, :] > query
-            r.top_keys[pos, :, rows] = torch.where(beyond, -1, keys).to(torch.int32)
-            r.top_values[pos, :, rows] = torch.where(beyond, 0, values)
+            k = min(self.top_k, w.shape[-1])
+            idx = top_indices(a, k)
+            self._set_top(r, pos, rows, idx + first_key, w.gather(-1, idx))
+        return a
+
+    def _set_top(
+        self, r: MeasureReductions, pos: int, rows: slice, keys: Tensor, values: Tensor
+    ) -> None:
+        """Store top keys; where a query has fewer than k keys of nonzero weight the rest
+        are key −1, value 0 (zero-weight keys, such as later ones, are not ranked)."""
+        assert r.top_values is not None and r.top_keys is not None
+        query = torch.arange(rows.start, rows.stop, device=keys.device)[None, :, None]
+        beyond = (keys > query) | (values == 0)
+        k = keys.shape[-1]
+        r.top_keys[pos, :, rows] = -1
+        r.top_values[pos, :, rows] = 0
+        r.top_keys[pos, :, rows, :k] = torch.where(beyond, -1, keys).to(torch.int32)
+        r.top_values[pos, :, rows, :k] = torch.where(beyond, 0, values)
+
+    def add_row_scaled(
+        self,
+        name: str,
+        base: str,
+        pos: int,
+        first_query: int,
+        base_block: Tensor,
+        scale: Float[Tensor, " i"],
+        first_key: int = 0,
+    ) -> None:
+        """Reductions of ``name`` = ``base`` with each query row scaled by ``scale ≥ 0``
+        (vw_on = vw / ‖o_i‖), from ``base``'s reductions of the same block: the entropy and
+        the top keys are unchanged, the rest scales; one pass for the token sums."""
+        r, b = self.results[name], self.results[base]
+        rows = slice(first_query, first_query + base_block.shape[-2])
+        keys = slice(first_key, first_key + base_block.shape[-1])
+        s = scale.to(r.token_sums.dtype)
+        r.token_sums[pos, :, keys] += torch.einsum("hik,i->hk", base_block.to(s.dtype), s)
+        for field in ("first", "row_sum"):
+            getattr(r, field)[pos, :, rows] = getattr(b, field)[pos, :, rows] * s
+        r.entropy[pos, :, rows] = b.entropy[pos, :, rows]
+        r.entropy_excl_first[pos, :, rows] = b.entropy_excl_first[pos, :, rows]
+        if r.top_values is not None and r.top_keys is not None and b.top_values is not None:
+            assert b.top_keys is not None
+            r.top_keys[pos, :, rows] = b.top_keys[pos, :, rows]
+            r.top_values[pos, :, rows] = b.top_values[pos, :, rows] * s[:, None]
+
+    def add_abs_of(
+        self,
+        name: str,
+        base: str,
+        pos: int,
+        first_query: int,
+        abs_block: Tensor,
+        first_key: int = 0,
+    ) -> None:
+        """Reductions of ``name`` = ``|base|`` (ihc = |ĉ|) from ``base``'s reductions and
+        the ``|base|`` block its :meth:`add` returned: entropy and top keys are |·|'s."""
+        r, b = self.results[name], self.results[base]
+        rows = slice(first_query, first_query + abs_block.shape[-2])
+        keys = slice(first_key, first_key + abs_block.shape[-1])
+        r.token_sums[pos, :, keys] += abs_block.sum(-2)
+        r.first[pos, :, rows] = b.first[pos, :, rows].abs()
+        r.row_sum[pos, :, rows] = abs_block.sum(-1)
+        r.entropy[pos, :, rows] = b.entropy[pos, :, rows]
+        r.entropy_excl_first[pos, :, rows] = b.entropy_excl_first[pos, :, rows]
+        if r.top_values is not None and r.top_keys is not None and b.top_values is not None:
+            assert b.top_keys is not None
+            r.top_keys[pos, :, rows] = b.top_keys[pos, :, rows]
+            r.top_values[pos, :, rows] = b.top_values[pos, :, rows].abs()
+
+    def add_rank_one(
+        self,
+        name: str,
+        pos: int,
+        first_query: int,
+        key_factor: Float[Tensor, "h k"],
+        query_factor: Float[Tensor, " i"],
+        valid: Bool[Tensor, "i k"],
+        first_key: int = 0,
+    ) -> None:
+        """Reductions of a non-weight map ``key_factor_j · query_factor_i`` on the valid
+        pairs (relative_norm = ‖ṽ_j‖ / ‖o_i‖) without building it: matrix–vector products."""
+        r = self.results[name]
+        dtype = r.token_sums.dtype
+        rows = slice(first_query, first_query + valid.shape[0])
+        keys = slice(first_key, first_key + valid.shape[1])
+        kf, qf, v = key_factor.to(dtype), query_factor.to(dtype), valid.to(dtype)
+        r.token_sums[pos, :, keys] += kf * (qf @ v)[None, :]
+        r.first[pos, :, rows] = (kf[:, :1] * (qf * v[:, 0])[None, :]) if first_key == 0 else 0
+        r.row_sum[pos, :, rows] = qf[None, :] * (kf @ v.T)
+
+
+def sum_a_log_a(a: Float[Tensor, "*lead t"]) -> Float[Tensor, "*lead"]:
+    """Σ_j a_j ln a_j over the last dim for a ≥ 0 (0 ln 0 = 0).
+
+    log2 of a clamped at 1e-30 (an entry below it adds less than 1e-28), then one fused
+    multiply-sum: several times faster than ``xlogy`` or ``entr``, whose natural log is
+    slow here, slowest of all at the zeros every causal row is half made of.
+    """
+    log2 = a.clamp_min(1e-30).log2_()
+    return torch.linalg.vecdot(a, log2) * math.log(2)
+
+
+def top_indices(a: Float[Tensor, "*lead t"], k: int, chunk: int = 32) -> Tensor:
+    """Indices of the ``k`` largest entries of each row of ``a``, largest first.
+
+    For long rows, the rows are cut into chunks of ``chunk`` keys and only the ``k`` chunks
+    with the largest maxima are searched: every one of the k largest entries lies in one
+    of them (a chunk outside them has k chunks above its maximum, each holding an entry
+    larger than any of its own). One fast max pass replaces most of a full ``topk``.
+    """
+    t = a.shape[-1]
+    if t < 4 * k * chunk or t % chunk:
+        return torch.topk(a, k, dim=-1).indices
+    lead = a.shape[:-1]
+    blocks = a.reshape(*lead, t // chunk, chunk)
+    best = torch.topk(blocks.amax(-1), k, dim=-1).indices  # (…, k) chunk numbers
+    cols = (best[..., None] * chunk + torch.arange(chunk, device=a.device)).flatten(-2)
+    candidates = a.gather(-1, cols)  # (…, k · chunk)
+    pick = torch.topk(candidates, k, dim=-1).indices
+    return cols.gather(-1, pick)
+
+
+def _entropy(total: Tensor, a_log_a: Tensor) -> Tensor:
+    """Entropy of rows with sum ``total`` and Σ a log a ``a_log_a`` (0 for an empty row)."""
+    ok = total > 0
+    safe_total = torch.where(ok, total, torch.ones_like(total))
+    row = torch.where(ok, torch.log(safe_total) - a_log_a / safe_total, torch.zeros_like(total))
+    return row.clamp_min(0)
