@@ -238,7 +238,7 @@ def plan_memory(
 ) -> MemoryPlan:
     """Estimate the bytes a trace needs: maps (in memory or on disk), reductions, and the
     working set of the forward (one block of queries and the model's activations)."""
-    cfg = model.config
+    cfg = model.text_config
     heads = int(getattr(cfg, "num_attention_heads", 1))
     kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
     hidden = int(getattr(cfg, "hidden_size", 0) or 0)
@@ -261,7 +261,17 @@ def plan_memory(
     temps = 6 + len(stored) + (len(measures) if reductions else 0)
     activations = t * (hidden * 8 + ffn * 4 + (heads + 2 * kv) * head_dim * 3) * 4
     vectors = num_layers * heads * t * 16
-    return MemoryPlan(maps_memory, maps_disk, red, block * temps + activations + vectors)
+    # the eager attention mask transformers builds for the forward: T × T floats, one per
+    # kind of layer (full and sliding-window)
+    kinds = (
+        2
+        if getattr(cfg, "sliding_window", None)
+        and "sliding_attention" in str(getattr(cfg, "layer_types", ""))
+        else 1
+    )
+    masks = kinds * t * t * csize
+    working = block * temps + activations + vectors + masks
+    return MemoryPlan(maps_memory, maps_disk, red, working)
 
 
 def available_memory(device: torch.device | str) -> int:
@@ -466,7 +476,7 @@ def trace(
     _preflight(
         model, t, names, layer_list, folder, maps, storage, dtype, top_k, block_bytes, memory_limit
     )
-    heads = int(model.config.num_attention_heads)
+    heads = model.num_heads
     stored = stored_measures(names, storage) if maps else []
     store: MapStore | None = None
     if folder is not None:
@@ -545,7 +555,7 @@ def _run(
     from .progress import bar
 
     t = ids.numel()
-    heads = int(model.config.num_attention_heads)
+    heads = model.num_heads
     rows = max(1, block_bytes // max(1, heads * t * 8))
     recorder.blocks_per_layer = -(-t // rows)
     total = model.num_layers * recorder.blocks_per_layer

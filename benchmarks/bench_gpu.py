@@ -1,0 +1,216 @@
+"""Benchmark: traces of an 8B-shaped model at long context, on a GPU (or tiny, on a CPU).
+
+The model has Llama-3.1-8B's shape (32 layers, 32 heads, 8 KV heads, d = 4096, MLP 14,336,
+vocabulary 128,256) with random weights, built in bfloat16 directly on the device: nothing
+is downloaded, and random weights cost what real ones do. For each length it measures, in
+one run:
+
+* ``sdpa``: the model's own sdpa forward (the floor);
+* ``no-maps``: ``cw.trace(..., maps=False)`` with the default measures (reductions only);
+* ``stream``: ``cw.trace(..., measures="contribution", out=DIR)``, every layer's map
+  streamed to a temporary folder in bfloat16 (its size is reported).
+
+Wall time is one run after a warm-up; peak memory is the accelerator's peak allocation
+above the loaded model (CUDA) or the peak resident memory above it (CPU). On a CPU, use
+``--tiny`` (a 2-layer model of the same family with small sizes; the test suite runs it so).
+
+    python benchmarks/bench_gpu.py --device cuda --lengths 2048,8192 --out bench-out
+    python benchmarks/bench_gpu.py --tiny --device cpu --lengths 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+LLAMA_8B = dict(
+    vocab_size=128_256,
+    hidden_size=4096,
+    intermediate_size=14_336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=131_072,
+    rope_theta=500_000.0,
+    rms_norm_eps=1e-5,
+)
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+)
+
+
+class _Ids:
+    """A stand-in tokenizer: the benchmark feeds token ids; tokens print as their ids."""
+
+    def decode(self, ids: list[int]) -> str:
+        return f"<{ids[0]}>"
+
+
+def build_model(tiny: bool, device: str, dtype: str) -> Any:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import contribution_weights as cw
+
+    config = LlamaConfig(**(TINY if tiny else LLAMA_8B))
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(config, torch_dtype=getattr(torch, dtype))
+    model.eval()
+    name = "llama-tiny" if tiny else "llama-3.1-8b-shaped (random weights)"
+    return cw.LoadedModel(model=model, tokenizer=_Ids(), name=name)
+
+
+class Peak:
+    """Peak memory above the level at entry: CUDA allocations, or resident memory (CPU)."""
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device.startswith("cuda")
+        self.peak = 0
+
+    def _rss(self) -> int:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def __enter__(self) -> Peak:
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        else:
+            self.base = self._rss()
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._rss() - self.base)
+            time.sleep(0.002)
+
+    def __exit__(self, *exc: object) -> None:
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.peak = torch.cuda.max_memory_allocated() - self.base
+        else:
+            self._stop.set()
+            self._thread.join()
+            self.peak = max(self.peak, self._rss() - self.base)
+
+
+def run(model: Any, method: str, ids: Any, folder: Path) -> dict:
+    import torch
+
+    import contribution_weights as cw
+
+    def once() -> None:
+        with torch.no_grad():
+            if method == "sdpa":
+                model.model.set_attn_implementation("sdpa")
+                model.model(input_ids=ids[None], use_cache=False, logits_to_keep=1)
+            elif method == "no-maps":
+                cw.trace(model, ids, maps=False, progress=False)
+            elif method == "stream":
+                cw.trace(
+                    model,
+                    ids,
+                    measures="contribution",
+                    storage_dtype="bfloat16",
+                    out=folder,
+                    progress=False,
+                )
+            else:
+                raise ValueError(method)
+
+    cuda = ids.device.type == "cuda"
+    with Peak(str(ids.device)) as peak:
+        start = time.perf_counter()
+        once()
+        if cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    disk = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    shutil.rmtree(folder, ignore_errors=True)
+    return {
+        "method": method,
+        "tokens": int(ids.numel()),
+        "seconds": seconds,
+        "peak_mb": peak.peak / 2**20,
+        "disk_mb": disk / 2**20,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--lengths", default="2048,8192")
+    parser.add_argument("--methods", default="sdpa,no-maps,stream")
+    parser.add_argument("--tiny", action="store_true", help="a tiny model of the same family")
+    parser.add_argument("--out", type=Path, default=Path("bench-out"))
+    args = parser.parse_args(argv)
+    import torch
+
+    model = build_model(args.tiny, args.device, args.dtype)
+    results = []
+    for length in [int(x) for x in args.lengths.split(",")]:
+        g = torch.Generator().manual_seed(length)
+        ids = torch.randint(3, model.config.vocab_size, (length,), generator=g).to(args.device)
+        warm = ids[: min(64, length)]
+        for method in args.methods.split(","):
+            folder = Path(tempfile.mkdtemp(prefix="cw-gpu-bench-"))
+            run(model, method, warm, folder)  # kernels and allocator warmed up
+            folder = Path(tempfile.mkdtemp(prefix="cw-gpu-bench-"))
+            r = run(model, method, ids, folder)
+            results.append(r)
+            print(
+                f"T={length:6d} {method:8s} {r['seconds']:8.2f} s  peak {r['peak_mb']:9.0f} MB"
+                f"  disk {r['disk_mb']:9.0f} MB",
+                flush=True,
+            )
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.machine()
+    machine = f"{device}, torch {torch.__version__}, model {model.name}, {args.dtype}"
+    floor = {r["tokens"]: r["seconds"] for r in results if r["method"] == "sdpa"}
+    lines = [
+        f"Machine: {machine}",
+        "",
+        "| T | method | wall s | × sdpa | peak MB above model | disk MB |",
+        "| ---: | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results:
+        ratio = f"{r['seconds'] / floor[r['tokens']]:.2f}" if floor.get(r["tokens"]) else ""
+        disk = f"{r['disk_mb']:.0f}" if r["disk_mb"] else ""
+        lines.append(
+            f"| {r['tokens']} | {r['method']} | {r['seconds']:.2f} | {ratio} | "
+            f"{r['peak_mb']:.0f} | {disk} |"
+        )
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_gpu.md").write_text("\n".join(lines) + "\n")
+    (args.out / "bench_gpu.json").write_text(
+        json.dumps({"machine": machine, "results": results}, indent=2)
+    )
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
