@@ -62,11 +62,33 @@ def _size(path: Path) -> int:
     )
 
 
+def storage_errors(model: Any, ids: Any) -> list[str]:
+    """Table rows: the error float16 and bfloat16 storage adds to each default measure."""
+
+    import contribution_weights as cw
+
+    exact = cw.trace(model, ids)
+    rows = []
+    for dtype in ("float16", "bfloat16"):
+        half = cw.trace(model, ids, storage_dtype=dtype)
+        for name in exact.measures:
+            a, b = exact[name].tensor(), half[name].tensor()
+            err = (b - a).abs()
+            big = a.abs() >= 1e-3
+            rel = float((err[big] / a.abs()[big]).max()) if bool(big.any()) else 0.0
+            rows.append(
+                f"| {name} | {dtype} | {float(err.max()):.2e} | {float(err.mean()):.2e} | {rel:.2e} |"
+            )
+        del half
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--layer", type=int, default=5)
     parser.add_argument("--storage", default="float16", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--error-tokens", type=int, default=512)
     parser.add_argument("--out", type=Path, default=Path("bench-out"))
     args = parser.parse_args(argv)
     import torch
@@ -158,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     shutil.rmtree(work, ignore_errors=True)
+    errors = storage_errors(model, ids[: args.error_tokens])
     lines = [
         f"SmolLM2-135M, layer {args.layer}, T = {t}, maps {', '.join(stored)} in {args.storage} "
         f"({model.num_heads} heads each); one torch thread",
@@ -172,6 +195,15 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['format']} | {mb:.1f} | {r['write_s']:.2f} | {speed} | "
             f"{r['read_head_s']:.3f} | {r['read_rows_s'] * 1e3:.1f} |"
         )
+    lines += [
+        "",
+        f"Error of half-precision storage against float32 (all layers, T = "
+        f"{min(t, args.error_tokens)}; compute is float32 either way):",
+        "",
+        "| measure | storage | max abs error | mean abs error | max rel error where abs >= 1e-3 |",
+        "| --- | --- | ---: | ---: | ---: |",
+        *errors,
+    ]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_storage.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
