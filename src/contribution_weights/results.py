@@ -39,7 +39,7 @@ class Trace:
     degenerate: Tensor
     model_name: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
-    # flags of zero denominators (SPEC §2: the quantity is 0 there, never NaN):
+    # flags of zero denominators (method §2: the quantity is 0 there, never NaN):
     # degenerate: (L, T) queries with o_i = 0 (ĉ, r, κ, vw_on are 0 on their rows);
     # degenerate_heads: (L, H, T) queries with o_i^(h) = 0 (č is 0 on their rows);
     # zero_values: (L, H, T) keys with ṽ_j^(h) = 0 (κ is 0 in their columns).
@@ -77,7 +77,7 @@ class Trace:
     def weight_measures(self) -> list[str]:
         return [m for m in self.measures if get_measure(m).is_weight]
 
-    # ---- aggregates (SPEC §3) -------------------------------------------------------
+    # ---- aggregates (method §3) -------------------------------------------------------
     def normalised(self, name: str) -> Tensor:
         return aggregates.normalised(self[name], name)
 

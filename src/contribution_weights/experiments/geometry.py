@@ -1,4 +1,4 @@
-"""Value geometry and attention sinks (paper §6 and appendix D; SPEC §3, §5), for any model.
+"""Value geometry and attention sinks (paper §6 and appendix D; method §3, §5), for any model.
 
 One function per analysis, each taking a :class:`~..loading.LoadedModel` and texts (or
 token-id lists) and returning a tidy result::

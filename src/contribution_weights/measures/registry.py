@@ -5,7 +5,7 @@ new measure is one function plus one :func:`register_measure` call.
 
 Each :class:`Measure` maps a :class:`~.layer.LayerTensors` to a ``(B, H, I, T)`` tensor
 and says how to normalise it so that, per query, the weights sum to one over heads and
-keys (SPEC §3); measures that are not weights (the relative norm and the cosine) have no
+keys (method §3); measures that are not weights (the relative norm and the cosine) have no
 normalisation and are left out of weight summaries.
 """
 
