@@ -8,16 +8,28 @@ from pathlib import Path
 
 from ..measures.registry import measure_names
 from ..tracing import TraceOptions
-from .common import add_model_arguments, add_text_arguments, parse_int_list, read_text
+from .common import (
+    add_model_arguments,
+    add_text_arguments,
+    check_heads,
+    check_out_dir,
+    parse_int_list,
+    read_text,
+)
 
 
 def _pairs(value: str) -> list[tuple[int, int]]:
     out = []
     for part in value.split(","):
         layer, sep, head = part.strip().partition(":")
-        if not sep:
-            raise argparse.ArgumentTypeError(f"{part!r} is not LAYER:HEAD (e.g. 0:3,15:2)")
-        out.append((int(layer), int(head)))
+        try:
+            if not sep:
+                raise ValueError
+            out.append((int(layer), int(head)))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{part!r} is not LAYER:HEAD (e.g. 0:3,15:2,-1:0)"
+            ) from None
     return out
 
 
@@ -59,10 +71,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..loading import load_model
+    from ..loading import load_model, peek_dims
     from ..tracing import trace
 
+    # everything that can be checked is checked before the model loads
+    check_out_dir(args.out)
     text = read_text(args)
+    dims = peek_dims(args.model)  # the config alone; None: checked right after loading
+    if dims is not None:
+        args.heads = check_heads(args.heads, dims.num_layers, dims.num_heads, args.layers)
     options = TraceOptions(
         measures=args.measures,
         layers=args.layers,
@@ -71,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
         compute_dtype=args.compute_dtype,
     )
     model = load_model(args.model, dtype=args.dtype, device=args.device)
+    args.heads = check_heads(args.heads, model.num_layers, model.num_heads, args.layers)
     start = time.perf_counter()
     result = trace(model, text, **options.as_kwargs())
     elapsed = time.perf_counter() - start
