@@ -12,7 +12,11 @@ a notebook without ipywidgets, then fall back to the same text bar.
 
 from __future__ import annotations
 
+import sys
+import threading
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 DEFAULT_DELAY = 2.0
@@ -54,3 +58,31 @@ def bar(iterable: Any = None, *, delay: float = DEFAULT_DELAY, **kwargs: Any) ->
     """A tqdm bar (``iterable`` and keyword arguments as for ``tqdm``) shown after ``delay`` s."""
     kwargs.setdefault("dynamic_ncols", True)
     return _tqdm_class()(iterable, delay=delay, **kwargs)
+
+
+@contextmanager
+def status(message: str, *, delay: float = DEFAULT_DELAY, enabled: bool = True) -> Iterator[None]:
+    """For a step without a count to show (loading a model, one long computation): print
+    ``message`` to stderr once the block has run for ``delay`` seconds, and when it ends
+    how long it took; quick steps print nothing."""
+    if not enabled:
+        yield
+        return
+    import time
+
+    shown = threading.Event()
+
+    def announce() -> None:
+        shown.set()
+        print(f"{message}…", file=sys.stderr, flush=True)
+
+    timer = threading.Timer(delay, announce)
+    timer.daemon = True
+    start = time.perf_counter()
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        if shown.is_set():
+            print(f"{message}: done in {time.perf_counter() - start:.1f} s", file=sys.stderr)

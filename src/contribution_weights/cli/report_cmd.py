@@ -9,6 +9,7 @@ import warnings
 from pathlib import Path
 
 from ..presentation.report_data import PRECISIONS
+from ..progress import status
 from .common import add_model_arguments, check_out_file, parse_int_list, read_text
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "m": 2**20, "mb": 2**20, "g": 2**30, "gb": 2**30}
@@ -95,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
         from ..tracing import trace
 
         text = read_text(args)
-        model = load_model(args.model, dtype=args.dtype, device=args.device)
+        with status(f"loading {args.model or 'smollm2'}"):
+            model = load_model(args.model, dtype=args.dtype, device=args.device)
         measures = args.measures or ",".join(DEFAULT_MEASURES)
         start = time.perf_counter()
         result = trace(
@@ -105,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
             layers=args.layers,
             max_tokens=args.max_tokens,
             truncate=args.truncate,
+            progress=True,  # a bar per layer: with distance, minutes at a few hundred tokens
         )
         print(
             f"{model.name}: traced {result.num_tokens} tokens, {len(result.layers)} layers in "
