@@ -36,7 +36,7 @@ _silence_ipywidgets_warning()
 
 def _tqdm_class() -> Any:
     try:
-        from IPython import get_ipython  # type: ignore[attr-defined]
+        from IPython import get_ipython
 
         shell = get_ipython()
     except ImportError:
