@@ -36,6 +36,14 @@ def wants_log_scale(values: np.ndarray) -> bool:
     return bool(v.size and (v > 0).all() and v.max() / v.min() > LOG_RANGE)
 
 
+def _dodge(rates: np.ndarray, i: int, count: int) -> float:
+    """A small horizontal offset for line ``i`` of ``count``, so error bars at the same rate
+    do not hide each other (about 1% of the rate span apart)."""
+    rates = np.unique(rates[np.isfinite(rates)])
+    span = float(rates.max() - rates.min()) if rates.size > 1 else 0.1
+    return (i - (count - 1) / 2) * 0.012 * span
+
+
 def _rate_axis(ax: Any, rates: np.ndarray) -> None:
     """Ticks at the rates that were run, with a margin on either side."""
     rates = np.unique(rates[np.isfinite(rates)])
@@ -64,8 +72,9 @@ def _by_measure(
 def plot_faithfulness(
     summary: pd.DataFrame, path: str | Path | None = None, title: str | None = None
 ) -> Any:
-    """ΔPPL against removal rate: a panel per mode, one line per measure, error bars ±1
-    standard error over sequences (``delta_ppl_se``). With a single rate each panel shows
+    """ΔPPL against removal rate: a panel per mode, one line per measure (nudged sideways a
+    little so that error bars stay apart), error bars ±1 standard error over sequences
+    (``delta_ppl_se``). With a single rate each panel shows
     one point per measure instead of a line."""
     modes = list(dict.fromkeys(summary["mode"]))
     rates = summary["rate"].to_numpy(float)
@@ -77,11 +86,13 @@ def plot_faithfulness(
             se = part["delta_ppl_se"].fillna(0).to_numpy(float)
             _by_measure(ax, part, "delta_ppl_mean", se, float(rates[0]))
         else:
-            for i, (measure, g) in enumerate(part.groupby("measure", sort=False)):
+            groups = list(part.groupby("measure", sort=False))
+            for i, (measure, g) in enumerate(groups):
                 g = g.sort_values("rate")
                 color, marker = _style(str(measure), i)
+                shift = _dodge(part["rate"].to_numpy(float), i, len(groups))
                 ax.errorbar(
-                    g["rate"].to_numpy(float),
+                    g["rate"].to_numpy(float) + shift,
                     g["delta_ppl_mean"].to_numpy(float),
                     yerr=g["delta_ppl_se"].fillna(0).to_numpy(float),
                     marker=marker,
@@ -130,12 +141,14 @@ def plot_downstream(
             se = binomial_se(part["accuracy"].to_numpy(float), part["n"].to_numpy(float))
             _by_measure(ax, part, "accuracy", se, float(part["rate"].iloc[0]))
         else:
-            for i, (measure, g) in enumerate(part.groupby("measure", sort=False)):
+            groups = list(part.groupby("measure", sort=False))
+            for i, (measure, g) in enumerate(groups):
                 g = g.sort_values("rate")
                 color, marker = _style(str(measure), i)
                 acc = g["accuracy"].to_numpy(float)
+                shift = _dodge(part["rate"].to_numpy(float), i, len(groups))
                 ax.errorbar(
-                    g["rate"].to_numpy(float),
+                    g["rate"].to_numpy(float) + shift,
                     acc,
                     yerr=binomial_se(acc, g["n"].to_numpy(float)),
                     marker=marker,
