@@ -200,13 +200,14 @@ def test_report_bad_out_exits_2_before_tracing(tmp_path, capsys, no_loading, out
         ("-3:0", [], "layer -3 does not exist"),
         ("1:4", [], "head 4 does not exist; the model has 4 heads per layer (0..3)"),
         ("0:1", ["--layers", "1"], "layer 0 is not traced (--layers gives 1)"),
+        ("", ["--layers", "7"], "layer 7 is out of range: the model has 2 layers"),
     ],
 )
-def test_bad_heads_exit_2_before_loading(
+def test_bad_heads_and_layers_exit_2_before_loading(
     tiny_folder, tmp_path, capsys, no_loading, heads, extra, message
 ):
     argv = ["trace", "--text", "abc", "--model", str(tiny_folder), "--out", str(tmp_path / "o")]
-    assert main([*argv, f"--heads={heads}", *extra]) == 2
+    assert main([*argv, *([f"--heads={heads}"] if heads else []), *extra]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 

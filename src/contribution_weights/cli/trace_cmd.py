@@ -63,7 +63,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=_pairs,
         default=None,
         help="LAYER:HEAD pairs for the heatmap figure (default: the heads where attention and "
-        "contribution disagree most on token 0, in 3 layers)",
+        "contribution disagree most on token 0, in 3 layers); negative layers count from the "
+        "end, written with '=': --heads=-1:0",
     )
     p.add_argument("--no-figures", action="store_true", help="skip the PNG figures")
     p.add_argument("--out", type=Path, required=True, help="output folder")
@@ -71,6 +72,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..inputs import resolve_layers
     from ..loading import load_model, peek_dims
     from ..tracing import trace
 
@@ -79,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
     text = read_text(args)
     dims = peek_dims(args.model)  # the config alone; None: checked right after loading
     if dims is not None:
+        resolve_layers(args.layers, dims.num_layers)  # a bad --layers fails here too
         args.heads = check_heads(args.heads, dims.num_layers, dims.num_heads, args.layers)
     options = TraceOptions(
         measures=args.measures,
