@@ -141,6 +141,9 @@ def test_empty_layer_list(llama):
     with pytest.raises(InputError, match="not a whole number"):
         cw.trace(llama, "abc", layers=["x"])
     assert cw.trace(llama, "abc", layers=[torch.tensor(1)], measures="attention").layers == [1]
+    from contribution_weights.inputs import resolve_layers
+
+    assert resolve_layers([], 3, allow_empty=True) == []  # where "no layer" is a choice
 
 
 # ---- token strings -------------------------------------------------------------------------

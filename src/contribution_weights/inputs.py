@@ -30,15 +30,21 @@ class InputError(ValueError):
     """Bad input to a trace or an experiment: the message says what is wrong and how to fix it."""
 
 
-def resolve_layers(layers: Sequence[int] | None, num_layers: int) -> list[int]:
-    """Model layer indices, sorted and deduplicated; negative indices count from the end."""
+def resolve_layers(
+    layers: Sequence[int] | None, num_layers: int, *, allow_empty: bool = False
+) -> list[int]:
+    """Model layer indices, sorted and deduplicated; negative indices count from the end.
+
+    An empty list is an error (it names no layer to trace) unless ``allow_empty``, for
+    callers where "no layer" is a meaningful choice (e.g. no sink layer to scale).
+    """
     if layers is None:
         return list(range(num_layers))
     if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence):
         raise InputError(
             f"layers must be a list of layer indices such as [0, 5, -1], not {layers!r}"
         )
-    if len(layers) == 0:
+    if len(layers) == 0 and not allow_empty:
         raise InputError(
             "layers=[] names no layer to trace; pass layer indices such as [0, 5, -1], "
             "or layers=None for all layers"
