@@ -201,6 +201,7 @@ def test_report_bad_out_exits_2_before_tracing(tmp_path, capsys, no_loading, out
         ("1:4", [], "head 4 does not exist; the model has 4 heads per layer (0..3)"),
         ("0:1", ["--layers", "1"], "layer 0 is not traced (--layers gives 1)"),
         ("", ["--layers", "7"], "layer 7 is out of range: the model has 2 layers"),
+        ("", ["--measures", "attention,nope"], "valid measures: attention"),
     ],
 )
 def test_bad_heads_and_layers_exit_2_before_loading(
@@ -245,3 +246,8 @@ def test_trace_reads_standard_input(tiny_folder, tmp_path, monkeypatch, dash):
     assert main(argv) == 0
     ids = cw.load_model(str(tiny_folder)).tokenizer("read from stdin")["input_ids"]
     assert cw.Trace.load(out).input_ids.tolist() == ids
+
+
+def test_empty_text_exits_2_before_loading(tmp_path, capsys, no_loading):
+    assert main(["trace", "--text", "  \n", "--out", str(tmp_path / "o")]) == 2
+    assert "the text is empty" in capsys.readouterr().err

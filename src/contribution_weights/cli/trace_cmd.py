@@ -72,13 +72,17 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..inputs import resolve_layers
+    from ..inputs import InputError, resolve_layers
     from ..loading import load_model, peek_dims
+    from ..measures.registry import resolve_measures
     from ..tracing import trace
 
     # everything that can be checked is checked before the model loads
     check_out_dir(args.out)
     text = read_text(args)
+    if not text.strip():
+        raise InputError("the text is empty; pass some text to trace")
+    resolve_measures(args.measures)  # an unknown measure names the valid ones
     dims = peek_dims(args.model)  # the config alone; None: checked right after loading
     if dims is not None:
         resolve_layers(args.layers, dims.num_layers)  # a bad --layers fails here too
