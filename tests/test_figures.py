@@ -20,6 +20,11 @@ from contribution_weights.presentation.faithfulness_plots import (
 ARTIFACTS = figures.Path(__file__).resolve().parents[1] / "test-artifacts"
 
 
+@pytest.fixture(autouse=True)
+def _artifacts_folder():
+    ARTIFACTS.mkdir(exist_ok=True)  # the figures are written there for a look
+
+
 def synthetic_trace(t: int, tokens: list[str] | None = None) -> cw.Trace:
     """Two layers, two heads; contribution small everywhere but one large outlier per
     panel (the case that left the panels nearly white under a max-based scale)."""
