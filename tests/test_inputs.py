@@ -135,6 +135,15 @@ def test_bad_ids_say_what_is_wrong(llama, ids, message):
         cw.trace(llama, ids, measures="attention")
 
 
+def test_encode_takes_one_sequence():
+    from contribution_weights.inputs import encode
+
+    llama = tiny_model("llama")
+    assert encode(llama, torch.tensor([[5, 6, 7]]), None, False).tolist() == [5, 6, 7]
+    with pytest.raises(InputError, match=r"shape \(2, 2\) hold several sequences"):
+        encode(llama, torch.tensor([[5, 6], [7, 8]]), None, False)
+
+
 def test_empty_layer_list(llama):
     with pytest.raises(InputError, match=r"layers=\[\] names no layer.*layers=None"):
         cw.trace(llama, "abc", layers=[])

@@ -109,6 +109,11 @@ def _as_ids(value: Sequence[int] | Tensor) -> Tensor:
             f"token ids must be whole numbers, not {str(ids.dtype).removeprefix('torch.')}; "
             "pass a list of ints or a torch.long tensor"
         )
+    if ids.dim() > 1 and ids.shape[:-1].numel() != 1:
+        raise InputError(
+            f"token ids of shape {tuple(ids.shape)} hold several sequences; encode one "
+            "sequence at a time (a flat list of ids, or a (1, T) tensor)"
+        )
     return ids.to(torch.long).reshape(-1)
 
 
