@@ -314,3 +314,12 @@ def test_peek_dims_reads_only_the_config(tmp_path):
     assert peek_dims(tmp_path) == ModelDims(num_layers=3, num_heads=4)
     assert peek_dims(tmp_path / "missing") is None
     assert peek_dims(tmp_path / "missing.gguf") is None
+
+
+@pytest.mark.slow
+def test_peek_dims_of_the_embedded_model(smollm2):
+    from contribution_weights.loading import ModelDims, peek_dims
+
+    # once loaded (dequantised and cached), its size is known from the config alone
+    assert peek_dims(None) == peek_dims("smollm2") == ModelDims(30, 9)
+    assert (smollm2.num_layers, smollm2.num_heads) == (30, 9)

