@@ -76,9 +76,8 @@ def storage_errors(model: Any, ids: Any) -> list[str]:
             err = (b - a).abs()
             big = a.abs() >= 1e-3
             rel = float((err[big] / a.abs()[big]).max()) if bool(big.any()) else 0.0
-            rows.append(
-                f"| {name} | {dtype} | {float(err.max()):.2e} | {float(err.mean()):.2e} | {rel:.2e} |"
-            )
+            stats = f"{float(err.max()):.2e} | {float(err.mean()):.2e} | {rel:.2e}"
+            rows.append(f"| {name} | {dtype} | {stats} |")
         del half
     return rows
 

@@ -1,4 +1,9 @@
-"""Shared fixtures: tiny random models of every family, the real SmolLM2, the shared data."""
+"""Fixtures: tiny random models of every family, the real SmolLM2, evaluation data.
+
+``fixture_data`` is the folder of made-up records under tests/fixtures/data (every clone
+has it); ``shared_data`` is the real data sets beside the repository, for the few tests
+that need them (they skip, saying so, where it is absent).
+"""
 
 from __future__ import annotations
 
@@ -18,7 +23,8 @@ from tiny_models import FAMILIES, tiny_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
-os.environ.setdefault("CW_DATA_DIR", str(SHARED_DATA))
+FIXTURE_DATA = Path(__file__).parent / "fixtures" / "data"
+os.environ.setdefault("CW_DATA_DIR", str(SHARED_DATA if SHARED_DATA.is_dir() else FIXTURE_DATA))
 
 
 @pytest.fixture(params=FAMILIES)
@@ -36,7 +42,17 @@ def smollm2():
 
 
 @pytest.fixture(scope="session")
+def fixture_data() -> Path:
+    """A few made-up records in each data set's format (tests/fixtures/data)."""
+    return FIXTURE_DATA
+
+
+@pytest.fixture(scope="session")
 def shared_data() -> Path:
+    """The real evaluation data beside the repository; skip without it."""
     if not SHARED_DATA.is_dir():
-        pytest.skip(f"shared evaluation data not found at {SHARED_DATA}")
+        pytest.skip(
+            f"this test needs the real evaluation data sets at {SHARED_DATA}, which this "
+            "checkout does not have (tests of the loaders use tests/fixtures/data instead)"
+        )
     return SHARED_DATA

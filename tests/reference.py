@@ -1,4 +1,4 @@
-"""An independent brute-force float64 implementation of SPEC §2-3, for cross-checking.
+"""An independent brute-force float64 implementation of method §2-3, for cross-checking.
 
 Nothing here is shared with the package's maths or capture: the attention probabilities
 come from the model's own eager attention (``output_attentions=True``), the value
@@ -26,7 +26,7 @@ F64 = torch.float64
 
 # ---- the naive per-layer measures ----------------------------------------------------------
 def _div(num: Tensor, den: Tensor) -> Tensor:
-    """num / den where den != 0, else 0 (the SPEC's convention for degenerate cases)."""
+    """num / den where den != 0, else 0 (docs/method.md §2: the degenerate-case convention)."""
     zero = den == 0
     return torch.where(zero, torch.zeros_like(num), num / torch.where(zero, 1.0, den))
 
@@ -52,7 +52,7 @@ def projected_values(values: Tensor, weight: Tensor) -> Tensor:
 def reference_layer(
     probs: Tensor, values: Tensor, weight: Tensor, bias: Tensor | None, valid: Tensor
 ) -> dict[str, Tensor]:
-    """Every quantity of SPEC §2 for one layer and one sequence, in float64.
+    """Every quantity of method §2 for one layer and one sequence, in float64.
 
     Args:
         probs: ``(H, I, T)`` attention probabilities of I queries.
@@ -133,7 +133,7 @@ def scalar_contribution(
     return 0.0 if norm2 == 0 else sum(x * y for x, y in zip(o, term, strict=True)) / norm2
 
 
-# ---- aggregates (SPEC §3), with loops --------------------------------------------------------
+# ---- aggregates (method §3), with loops --------------------------------------------------------
 def token_scores(w: Tensor) -> Tensor:
     """``(H, T)`` for one layer ``(H, T, T)``: mean over i ≥ j of w_ij."""
     n_h, t, _ = w.shape
@@ -170,7 +170,7 @@ def entropy(w: Tensor, exclude_first: bool = False) -> Tensor:
 
 
 def normalise(w: Tensor, measure: str) -> Tensor:
-    """``(H, T, T)`` scaled per query so the weights sum to one over (h, j) (SPEC §3)."""
+    """``(H, T, T)`` scaled per query so the weights sum to one over (h, j) (method §3)."""
     n_h = w.shape[0]
     w = w.to(F64)
     if measure in ("attention", "intra"):

@@ -1,4 +1,4 @@
-"""Aggregates of SPEC §3 (token scores, normalised weights, first-token weight, entropy)
+"""Aggregates of method §3 (token scores, normalised weights, first-token weight, entropy)
 against loops in :mod:`reference`, on random weights and on a traced tiny model."""
 
 from __future__ import annotations

@@ -318,7 +318,7 @@ def test_intervention_removes_a_projected_value():
     probs = torch.cat(rec.probs[0], dim=2)[0]
     expected = clean.probs[0][0].clone()
     expected[1, :, 2] = 0
-    assert torch.equal(probs, expected)  # no renormalisation (SPEC §4)
+    assert torch.equal(probs, expected)  # no renormalisation (method §4)
     ref = clean.layer(0, 0, allowed(len(IDS), None))
     w_h = clean.weights[0][:, 1 * 8 : 2 * 8].double()  # head 1 of d_h = 8 (hidden 32, 4 heads)
     removed = clean.probs[0][0][1, :, 2, None].double() * (w_h @ clean.values[0][0][0, 2].double())

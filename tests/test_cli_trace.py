@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -93,7 +94,7 @@ def test_missing_model_and_empty_text(tmp_path, capsys):
     empty = tmp_path / "empty.txt"
     empty.write_text("  \n")
     assert main(["trace", "--file", str(empty), "--model", str(tmp_path), "--out", "x"]) == 2
-    assert "config.json" in capsys.readouterr().err
+    assert "the text is empty" in capsys.readouterr().err  # found before loading the model
 
 
 def test_measures_lists_registry(capsys):
@@ -132,3 +133,123 @@ def test_parse_int_list_rejects_with_syntax(text):
 
     with pytest.raises(argparse.ArgumentTypeError, match=r"0-3|empty"):
         parse_int_list(text)
+
+
+# ---- errors before the work: exit 2 before the model loads ---------------------------------
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Fail the test if a command loads a model."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the bad input was reported")
+
+    monkeypatch.setattr("contribution_weights.loading.load_model", refuse)
+
+
+def _bad_outs(tmp_path):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    return {
+        "existing file": (a_file, "is an existing file"),
+        "under a file": (a_file / "sub", "is a file, not a folder"),
+        "unwritable": (Path("/sys/cw-test-out"), "cannot be created in /sys"),
+    }
+
+
+@pytest.mark.parametrize("case", ["existing file", "under a file", "unwritable"])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["trace", "--text", "abc"],
+        ["faithfulness", "--texts", "{texts}"],
+        ["geometry", "--texts", "{texts}"],
+        ["downstream", "--task", "boolq", "--data-dir", "{data}"],
+    ],
+    ids=lambda c: c[0],
+)
+def test_bad_out_folder_exits_2_before_loading(
+    tmp_path, capsys, no_loading, fixture_data, case, command
+):
+    texts = tmp_path / "t.jsonl"
+    texts.write_text('{"text": "one two three"}\n')
+    out, message = _bad_outs(tmp_path)[case]
+    argv = [a.format(texts=texts, data=fixture_data) for a in command]
+    assert main([*argv, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out}" in err and message in err, err
+
+
+@pytest.mark.parametrize(
+    ("out", "message"),
+    [
+        ("folder", "is a folder; give a file name"),
+        ("a-file/report.html", "is a file, not a folder"),
+        ("/sys/cw-test/report.html", "cannot be created in /sys"),
+    ],
+)
+def test_report_bad_out_exits_2_before_tracing(tmp_path, capsys, no_loading, out, message):
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "a-file").write_text("x")
+    target = Path(out) if out.startswith("/") else tmp_path / out
+    assert main(["report", "--text", "abc", "--out", str(target)]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("heads", "extra", "message"),
+    [
+        ("5:0", [], "layer 5 does not exist; the model has 2 layers (0..1"),
+        ("-3:0", [], "layer -3 does not exist"),
+        ("1:4", [], "head 4 does not exist; the model has 4 heads per layer (0..3)"),
+        ("0:1", ["--layers", "1"], "layer 0 is not traced (--layers gives 1)"),
+        ("", ["--layers", "7"], "layer 7 is out of range: the model has 2 layers"),
+        ("", ["--measures", "attention,nope"], "valid measures: attention"),
+    ],
+)
+def test_bad_heads_and_layers_exit_2_before_loading(
+    tiny_folder, tmp_path, capsys, no_loading, heads, extra, message
+):
+    argv = ["trace", "--text", "abc", "--model", str(tiny_folder), "--out", str(tmp_path / "o")]
+    assert main([*argv, *([f"--heads={heads}"] if heads else []), *extra]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_heads_syntax_is_checked_by_the_parser(capsys):
+    with pytest.raises(SystemExit):
+        main(["trace", "--text", "abc", "--heads", "1:x", "--out", "o"])
+    assert "'1:x' is not LAYER:HEAD" in capsys.readouterr().err
+
+
+def test_heads_are_checked_after_loading_when_no_config_is_at_hand(
+    tiny_folder, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setattr("contribution_weights.loading.peek_dims", lambda name: None)
+    argv = ["trace", "--text", "abc", "--model", str(tiny_folder), "--out", str(tmp_path / "o")]
+    assert main([*argv, "--heads", "0:7"]) == 2
+    assert "head 7 does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_negative_heads_layer_counts_from_the_end(tiny_folder, tmp_path):
+    out = tmp_path / "o"
+    argv = ["trace", "--text", "abcdef", "--model", str(tiny_folder), "--out", str(out)]
+    assert main([*argv, "--heads=-1:3"]) == 0  # argparse: a leading - needs "="
+    assert (out / "heatmaps.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("dash", [["-"], ["--file", "-"]])
+def test_trace_reads_standard_input(tiny_folder, tmp_path, monkeypatch, dash):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("read from stdin"))
+    out = tmp_path / "o"
+    argv = ["trace", *dash, "--model", str(tiny_folder), "--out", str(out), "--no-figures"]
+    assert main(argv) == 0
+    ids = cw.load_model(str(tiny_folder)).tokenizer("read from stdin")["input_ids"]
+    assert cw.Trace.load(out).input_ids.tolist() == ids
+
+
+def test_empty_text_exits_2_before_loading(tmp_path, capsys, no_loading):
+    assert main(["trace", "--text", "  \n", "--out", str(tmp_path / "o")]) == 2
+    assert "the text is empty" in capsys.readouterr().err

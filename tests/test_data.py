@@ -1,4 +1,5 @@
-"""cw.data: the shared data directory, plain files, and the offline error."""
+"""cw.data: the data directory (made-up fixtures, and the real data where present), plain
+files, and the offline error."""
 
 from __future__ import annotations
 
@@ -10,48 +11,69 @@ from contribution_weights import data
 from contribution_weights.data import ChoiceItem, DataError
 
 
-def test_gsm8k_is_question_newline_answer(shared_data):
-    texts = data.load_texts("gsm8k", 3, shared_data)
-    first = json.loads((shared_data / "gsm8k" / "test.jsonl").open().readline())
-    assert len(texts) == 3
+def test_gsm8k_is_question_newline_answer(fixture_data):
+    texts = data.load_texts("gsm8k", 2, fixture_data)
+    first = json.loads((fixture_data / "gsm8k" / "test.jsonl").open().readline())
+    assert len(texts) == 2
     assert texts[0] == first["question"] + "\n" + first["answer"]
     assert all("####" in t for t in texts)
+    assert len(data.load_texts("gsm8k", None, fixture_data)) == 3
 
 
-def test_fineweb_edu_all_and_first_n(shared_data):
-    all_texts = data.load_texts("fineweb-edu", data_dir=shared_data)
-    assert len(all_texts) == 150
-    assert all_texts[0].startswith("The Independent Jane")
-    assert data.load_texts("fineweb_edu", 5, shared_data) == all_texts[:5]
+def test_fineweb_edu_all_and_first_n(fixture_data):
+    all_texts = data.load_texts("fineweb-edu", data_dir=fixture_data)
+    assert len(all_texts) == 3  # the blank record is left out
+    assert all_texts[0].startswith("Rivers carry sediment")
+    assert all_texts[2].startswith("The printing press")
+    assert data.load_texts("fineweb_edu", 2, fixture_data) == all_texts[:2]
 
 
-def test_env_var_is_the_default_data_dir(shared_data, monkeypatch):
-    monkeypatch.setenv("CW_DATA_DIR", str(shared_data))
-    assert data.load_texts("gsm8k", 1) == data.load_texts("gsm8k", 1, shared_data)
+def test_env_var_is_the_default_data_dir(fixture_data, monkeypatch):
+    monkeypatch.setenv("CW_DATA_DIR", str(fixture_data))
+    assert data.load_texts("gsm8k", 1) == data.load_texts("gsm8k", 1, fixture_data)
 
 
-def test_mmlu_items_interleave_subjects(shared_data):
-    items = data.load_task("mmlu", 4, shared_data)
-    assert [i.options for i in items] == [[" A", " B", " C", " D"]] * 4
-    assert "abstract algebra" in items[0].prompt and "anatomy" in items[1].prompt
-    assert items[0].prompt.endswith("Answer:")
-    # the first abstract-algebra row: answer column 1 ("4")
-    assert items[0].answer == 1 and "\nB. 4\n" in items[0].prompt
+def test_mmlu_items_interleave_subjects(fixture_data):
+    items = data.load_task("mmlu", None, fixture_data)
+    assert len(items) == 3
+    assert [i.options for i in items] == [[" A", " B", " C", " D"]] * 3
+    # subjects in turn: astronomy, world history, then astronomy's second row
+    assert "about astronomy.\n\nWhich planet" in items[0].prompt
+    assert "about world history." in items[1].prompt and "Moon" in items[2].prompt
+    assert items[0].prompt.endswith("\nAnswer:")
+    assert items[0].answer == 1 and "\nB. Mercury\n" in items[0].prompt
+    assert [i.answer for i in items] == [1, 3, 2]
 
 
-def test_winogrande_options_fill_the_blank(shared_data):
-    item = data.load_task("winogrande", 1, shared_data)[0]
-    assert item.prompt == "Sarah was a much better surgeon than Maria so"
-    assert item.options == [
-        " Sarah always got the easier cases.",
-        " Maria always got the easier cases.",
-    ]
-    assert item.answer == 1
+def test_winogrande_options_fill_the_blank(fixture_data):
+    first, second = data.load_task("winogrande", 2, fixture_data)
+    assert first.prompt == "The trophy did not fit in the case because"
+    assert first.options == [" the trophy was too big.", " the case was too big."]
+    assert first.answer == 0
+    assert second.answer == 1 and second.prompt.startswith("Anna lent Beth")
 
 
-def test_boolq_yes_no(shared_data):
-    items = data.load_task("boolq", 20, shared_data)
+def test_boolq_yes_no(fixture_data):
+    items = data.load_task("boolq", None, fixture_data)
     assert all(i.options == [" no", " yes"] and i.prompt.endswith("?\nAnswer:") for i in items)
+    assert items[0].prompt == (
+        "The Sun is the star at the centre of the Solar System.\n"
+        "Question: Is the sun a star?\nAnswer:"
+    )
+    assert [i.answer for i in items] == [1, 0, 1]  # "true", "false", and a JSON boolean
+
+
+def test_the_real_data_sets_load(shared_data):
+    """The real samples beside the repository (skips without them)."""
+    texts = data.load_texts("gsm8k", 3, shared_data)
+    first = json.loads((shared_data / "gsm8k" / "test.jsonl").open().readline())
+    assert texts[0] == first["question"] + "\n" + first["answer"]
+    assert len(data.load_texts("fineweb-edu", data_dir=shared_data)) == 150
+    mmlu = data.load_task("mmlu", 4, shared_data)
+    assert "abstract algebra" in mmlu[0].prompt and "anatomy" in mmlu[1].prompt
+    wino = data.load_task("winogrande", 1, shared_data)[0]
+    assert wino.prompt == "Sarah was a much better surgeon than Maria so" and wino.answer == 1
+    items = data.load_task("boolq", 20, shared_data)
     rows = [json.loads(x) for x in (shared_data / "boolq" / "val.jsonl").open().readlines()[:20]]
     assert [i.answer for i in items] == [int(r["label"] == "true") for r in rows]
 
@@ -89,13 +111,13 @@ def test_offline_without_data_says_where_to_put_it(tmp_path, monkeypatch):
         data.load_texts("gsm8k", data_dir=tmp_path / "missing")
 
 
-def test_unknown_names_and_bad_n(shared_data):
+def test_unknown_names_and_bad_n(fixture_data):
     with pytest.raises(ValueError, match="gsm8k, fineweb-edu"):
-        data.load_texts("wikitext", data_dir=shared_data)
+        data.load_texts("wikitext", data_dir=fixture_data)
     with pytest.raises(ValueError, match="mmlu, winogrande, boolq"):
-        data.load_task("hellaswag", data_dir=shared_data)
+        data.load_task("hellaswag", data_dir=fixture_data)
     with pytest.raises(ValueError, match="positive"):
-        data.load_texts("gsm8k", 0, shared_data)
+        data.load_texts("gsm8k", 0, fixture_data)
 
 
 def test_choice_item_is_plain_data():

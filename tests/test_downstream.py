@@ -85,12 +85,12 @@ def test_downstream_run_writes_summary_and_rate_zero_keeps_clean_accuracy(tmp_pa
     assert not (tmp_path / "d" / "downstream.png").exists()  # the CLI writes figures
 
 
-def test_cli_downstream_writes_the_figure(tmp_path, monkeypatch, shared_data):
+def test_cli_downstream_writes_the_figure(tmp_path, monkeypatch, fixture_data):
     from contribution_weights.cli import main
 
     lm = tiny_model("llama")
     monkeypatch.setattr("contribution_weights.loading.load_model", lambda *a, **k: lm)
-    rc = main(["downstream", "--task", "winogrande", "--n", "2", "--data-dir", str(shared_data),
+    rc = main(["downstream", "--task", "winogrande", "--n", "2", "--data-dir", str(fixture_data),
                "--measures", "attention", "--rates", "0.5", "--max-tokens", "120",
                "--out", str(tmp_path / "o")])  # fmt: skip
     assert rc == 0

@@ -1,4 +1,4 @@
-"""Removal interventions and the faithfulness experiment (SPEC §4).
+"""Removal interventions and the faithfulness experiment (method §4).
 
 Unit tier: tiny random models, brute-force float64 references. Slow tier: SmolLM2 on a
 few short real texts.

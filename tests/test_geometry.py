@@ -1,4 +1,4 @@
-"""Geometry and sink analyses against brute-force float64 computations (SPEC §3, §5).
+"""Geometry and sink analyses against brute-force float64 computations (method §3, §5).
 
 The brute force comes from ``reference.py`` (eager attention + plain hooks, every ṽ
 materialised, float64); the package's statistics run streamed, sequence by sequence, in

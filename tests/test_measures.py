@@ -56,7 +56,7 @@ def make_layer(
     """A random layer: the last ``queries`` rows of a causal ``keys × keys`` attention.
 
     ``case``: ``"plain"``, ``"zero_w"`` (W_O = 0), ``"zero_v"`` (all values 0),
-    ``"zero_cols"`` (some attention columns removed as an intervention does, SPEC §4).
+    ``"zero_cols"`` (some attention columns removed as an intervention does, method §4).
     """
     gen = torch.Generator().manual_seed(seed)
     heads = kv_heads * group

@@ -235,3 +235,80 @@ def test_tensors_are_not_modified(tiny_trace):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         build_report(tiny_trace, progress=False)  # under the limit: no warning
+
+
+# ---- lazy traces, progress, what the page says it rounds ----------------------------------
+class _OnlyPerHead:
+    """A stand-in for a lazy on-disk map: indexing must name a layer and a head."""
+
+    def __init__(self, values: torch.Tensor) -> None:
+        self.values = values
+        self.reads = 0
+
+    def __getitem__(self, key):
+        assert isinstance(key, tuple) and len(key) >= 2, f"whole-tensor read: {key!r}"
+        assert all(isinstance(k, int) for k in key[:2]), f"not per (layer, head): {key!r}"
+        self.reads += 1
+        return self.values[key]
+
+
+def test_report_reads_maps_per_layer_and_head(tiny_trace, monkeypatch):
+    lazy = {name: _OnlyPerHead(tiny_trace[name]) for name in ("attention", "contribution")}
+    monkeypatch.setattr(
+        type(tiny_trace), "__getitem__", lambda self, name: lazy.get(name) or self.measures[name]
+    )
+    monkeypatch.setattr(
+        "contribution_weights.presentation.report._summary_tables",
+        lambda trace: ({"columns": [], "rows": []}, {"layers": trace.layers, "series": {}}),
+    )
+    page, _ = build_report(tiny_trace, measures=["attention", "contribution"], progress=False)
+    monkeypatch.undo()
+    got = read_report(page)
+    for name in ("attention", "contribution"):
+        assert lazy[name].reads > 0
+        want = tiny_trace[name].double().numpy()
+        last = str(tiny_trace.layers[-1])
+        np.testing.assert_allclose(got.values[(name, last)][:-1], want[-1], atol=2e-2)
+        np.testing.assert_allclose(got.values[(name, "mean")][:-1], want.mean(0), atol=2e-2)
+
+
+def test_page_says_only_its_values_are_rounded(tiny_trace):
+    page, _ = build_report(tiny_trace, progress=False)
+    meta = read_report(page).meta
+    assert "model ran unquantised" in meta["rounding"]
+    js = Path(cw.__file__).parent / "presentation" / "assets" / "report.js"
+    text = js.read_text("utf-8")
+    assert "8-bit weights" not in text and "the model is not quantised" in text
+    assert meta["defaults"] == {"contrast": "linear", "heat_rows": "block"}  # 12 tokens
+
+
+def test_status_prints_only_for_slow_steps(capsys):
+    import time
+
+    from contribution_weights.progress import status
+
+    with status("quick step", delay=0.5):
+        pass
+    assert capsys.readouterr().err == ""
+    with status("slow step", delay=0.05):
+        time.sleep(0.3)
+    err = capsys.readouterr().err
+    assert "slow step…" in err and "slow step: done in" in err
+
+
+def test_cli_report_traces_with_a_progress_bar(tmp_path, monkeypatch):
+    import contribution_weights.tracing as tracing
+
+    calls = []
+    real = tracing.trace
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("progress"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tracing, "trace", spy)
+    monkeypatch.setattr(
+        "contribution_weights.loading.load_model", lambda *a, **k: tiny_model("llama")
+    )
+    assert main(["report", "--text", TEXT, "--out", str(tmp_path / "r.html")]) == 0
+    assert calls == [True]

@@ -232,3 +232,55 @@ def test_smollm2_report_at_a_realistic_length(tmp_path, browser, smollm2, shared
         f"layer switch {timing:.0f} ms"
     )
     assert load_s < 20 and timing < 3000
+
+
+_VISIBLE = (
+    "const c = document.querySelector(arguments[0] + ' canvas');"
+    "const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;"
+    "let shown = 0, cells = 0;"
+    "for (let i = 0; i < c.height; i++) for (let j = 0; j <= i; j++) {"
+    "  const o = 4 * (i * c.width + j); cells++;"
+    "  if (Math.min(d[o], d[o + 1], d[o + 2]) < 245) shown++; }"  # visibly tinted
+    "return shown / cells;"
+)
+
+
+@pytest.mark.slow
+def test_a_300_token_report_shows_structure_by_default(tmp_path, browser, smollm2):
+    """At 300 tokens the page opens with √ contrast and per-row heatmap scaling, and
+    the heatmaps are visibly coloured without any hand-tuning."""
+    from contribution_weights.presentation.report import LONG_TEXT_TOKENS
+
+    prose = (REPO / "docs" / "method.md").read_text("utf-8")
+    trace = cw.trace(
+        smollm2, prose, measures="attention,contribution", max_tokens=300, truncate=True
+    )
+    assert trace.num_tokens == 300 >= LONG_TEXT_TOKENS
+    info = write_report(trace, tmp_path / "long.html", progress=False)
+    b = browser
+    b.open(info.path)
+    _settled(b)
+    assert b.js("return document.getElementById('cw-contrast').value;") == "sqrt"
+    assert b.js("return document.getElementById('cw-heat-rows').value;") == "row"
+    subtitle = b.js("return document.getElementById('cw-subtitle').textContent;")
+    assert "8-bit weights" not in subtitle and "model is not quantised" in subtitle
+    shown = [b.js(_VISIBLE, f"#cw-hm-{k}") for k in (0, 1)]
+    b.click('.tok[data-i="280"]')
+    _settled(b)
+    b.screenshot(ARTIFACTS / "report-300-tokens.png")
+    # the old defaults (linear, one scale per block) leave the heatmaps nearly blank
+    b.select("#cw-contrast", "linear")
+    b.select("#cw-heat-rows", "block")
+    _settled(b)
+    before = [b.js(_VISIBLE, f"#cw-hm-{k}") for k in (0, 1)]
+    print(f"coloured lower-triangle cells: defaults {shown}, linear/block {before}")
+    assert min(shown) > 0.15
+    assert all(s > 3 * x for s, x in zip(shown, before, strict=True))
+    assert _errors(b) == []
+
+
+def test_short_reports_keep_linear_defaults():
+    from contribution_weights.presentation.report import LONG_TEXT_TOKENS, view_defaults
+
+    assert view_defaults(60) == {"contrast": "linear", "heat_rows": "block"}
+    assert view_defaults(LONG_TEXT_TOKENS) == {"contrast": "sqrt", "heat_rows": "row"}

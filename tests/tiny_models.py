@@ -24,7 +24,7 @@ class CharTokenizer:
         return {"input_ids": [ord(c) % VOCAB for c in text]}
 
     def decode(self, ids: list[int]) -> str:
-        return chr(33 + ids[0] % 90)
+        return "".join(chr(33 + i % 90) for i in ids)
 
 
 def _common(**extra: Any) -> dict[str, Any]:

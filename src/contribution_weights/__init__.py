@@ -13,6 +13,7 @@ internals out of a model, and interventions) ← ``tracing`` / experiments ← `
 ← ``presentation`` ← ``cli``.
 """
 
+from . import progress  # noqa: F401, I001  (first: quiets tqdm's notebook warning)
 from . import data
 from .capture import CaptureError, CaptureSession, LayerCall, capturing
 from .experiments import geometry

@@ -19,7 +19,7 @@ other threads or tasks do not see each other. Per layer the function builds a
 
 * an optional :class:`Intervention`, asked once per layer for multipliers of the
   attention columns (``(B, H, T_k)``; multiplying column j by 0 removes ṽ_j from every
-  query, SPEC §4), and
+  query, method §4), and
 * :class:`Observer` objects, shown each block of queries with the probabilities that
   were actually used. Observers that set ``key_spans = True`` are shown, for each
   block, only the range of keys its queries can attend to (``call.keys``; causal rows

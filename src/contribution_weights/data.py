@@ -3,8 +3,8 @@
 Where data comes from, in order:
 
 1. a data directory: the ``data_dir`` argument (CLI ``--data-dir``), else the
-   ``CW_DATA_DIR`` environment variable. Its layout is that of the project's shared
-   sample (``gsm8k/test.jsonl``, ``fineweb_edu/*.jsonl``, ``mmlu/test/*_test.csv``,
+   ``CW_DATA_DIR`` environment variable, laid out as docs/method.md ("Evaluation data")
+   describes (``gsm8k/test.jsonl``, ``fineweb_edu/*.jsonl``, ``mmlu/test/*_test.csv``,
    ``winogrande/dev.jsonl``, ``boolq/val.jsonl``; see :data:`LAYOUT`);
 2. the Hugging Face hub through the ``datasets`` package, only when it is installed and
    the hub is not switched off (``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE``);
@@ -15,7 +15,7 @@ text field, or ``.txt``: one text per blank-line-separated paragraph block, or t
 file when it has no blank line).
 
 Tasks are returned as :class:`ChoiceItem` (prompt, options, index of the right option),
-scored by comparing the log-likelihood of each option after the prompt (SPEC §4).
+scored by comparing the log-likelihood of each option after the prompt (method §4).
 Order is deterministic: the first ``n`` items of the split (MMLU: subjects interleaved,
 so a small ``n`` covers many subjects).
 """
@@ -145,8 +145,8 @@ def _convert(fn: Callable[[dict[str, Any]], T], where: str, rec: dict[str, Any])
     except KeyError as err:
         raise DataError(
             f"{where}: the record has no field {err.args[0]!r} (fields: {', '.join(rec)}); "
-            "the file does not have the expected layout (see cw.data.LAYOUT and "
-            "../shared/data/README.md)"
+            "the file does not have the expected layout (see cw.data.LAYOUT; the formats "
+            "are described in the project's docs/method.md, 'Evaluation data')"
         ) from None
     except (ValueError, TypeError) as err:
         raise DataError(f"{where}: bad value in the record ({err})") from err

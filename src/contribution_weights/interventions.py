@@ -1,4 +1,4 @@
-"""Removal interventions of SPEC §4: take tokens out of attention heads, layer by layer.
+"""Removal interventions of method §4: take tokens out of attention heads, layer by layer.
 
 Removing token j from head h of layer l multiplies column j of that head's attention by
 0 for every query (no renormalisation), i.e. sets the projected value ṽ_j^(l,h) to 0.
@@ -147,7 +147,7 @@ class SequentialRemoval:
         eligible_len: keys (and scoring queries) are ``< eligible_len``; None = all.
         sinks: the :class:`SinkTracker` of the same forward, or None (only token 0 is
             then protected when ``protect_sinks``).
-        protect_sinks: sinks are not eligible (SPEC §4); False makes them eligible.
+        protect_sinks: sinks are not eligible (method §4); False makes them eligible.
         scope: ``"layer"`` or ``"global"`` (then every removing row needs a threshold).
         compute_dtype: dtype of the measure maths.
         block_bytes: memory bound for one block of query rows of measure intermediates.
@@ -272,7 +272,7 @@ def global_thresholds(
 
     All (layer, head, eligible token) token scores of each measure in the clean pass are
     pooled; comprehensiveness at rate p uses their (1 − p)-quantile, sufficiency the
-    p-quantile. Removal compares strictly (SPEC §4), so at rate 1 tokens scoring the
+    p-quantile. Removal compares strictly (method §4), so at rate 1 tokens scoring the
     extreme itself (the clean minimum, resp. maximum) stay, unlike the layer scope.
     """
     measures = sorted({r.measure for r in removals if r.measure is not None})

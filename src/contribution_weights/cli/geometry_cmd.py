@@ -9,6 +9,7 @@ from ..experiments.geometry import ANALYSES, DEFAULT_GAMMAS
 from .common import (
     add_corpus_arguments,
     add_model_arguments,
+    check_out_dir,
     load_corpus,
     parse_floats,
     parse_int_list,
@@ -59,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
     from ..loading import load_model
     from ..presentation.geometry_plots import write_figures, write_markdown
 
+    check_out_dir(args.out)  # before the data and the model load
     analyses = resolve_analyses(args.only)
     if args.max_tokens is not None and args.max_tokens < 2:
         raise ValueError(f"--max-tokens must be at least 2, not {args.max_tokens}")

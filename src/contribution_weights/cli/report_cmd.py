@@ -9,7 +9,8 @@ import warnings
 from pathlib import Path
 
 from ..presentation.report_data import PRECISIONS
-from .common import add_model_arguments, parse_int_list, read_text
+from ..progress import status
+from .common import add_model_arguments, check_out_file, parse_int_list, read_text
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "m": 2**20, "mb": 2**20, "g": 2**30, "gb": 2**30}
 
@@ -80,8 +81,7 @@ def run(args: argparse.Namespace) -> int:
     from ..presentation.report import DEFAULT_MEASURES, ReportSizeWarning, write_report
     from ..results import Trace
 
-    if args.out.is_dir():
-        raise ValueError(f"--out {args.out} is a folder; give a file name such as report.html")
+    check_out_file(args.out)  # before any tracing or loading
     if args.trace is not None:
         result = Trace.load(args.trace)
         layers = args.layers
@@ -96,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
         from ..tracing import trace
 
         text = read_text(args)
-        model = load_model(args.model, dtype=args.dtype, device=args.device)
+        with status(f"loading {args.model or 'smollm2'}"):
+            model = load_model(args.model, dtype=args.dtype, device=args.device)
         measures = args.measures or ",".join(DEFAULT_MEASURES)
         start = time.perf_counter()
         result = trace(
@@ -106,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
             layers=args.layers,
             max_tokens=args.max_tokens,
             truncate=args.truncate,
+            progress=True,  # a bar per layer: with distance, minutes at a few hundred tokens
         )
         print(
             f"{model.name}: traced {result.num_tokens} tokens, {len(result.layers)} layers in "

@@ -13,6 +13,8 @@ from ..tracing import TraceOptions
 from .common import (
     add_model_arguments,
     add_text_arguments,
+    check_heads,
+    check_out_dir,
     parse_bytes,
     parse_int_list,
     read_text,
@@ -23,9 +25,14 @@ def _pairs(value: str) -> list[tuple[int, int]]:
     out = []
     for part in value.split(","):
         layer, sep, head = part.strip().partition(":")
-        if not sep:
-            raise argparse.ArgumentTypeError(f"{part!r} is not LAYER:HEAD (e.g. 0:3,15:2)")
-        out.append((int(layer), int(head)))
+        try:
+            if not sep:
+                raise ValueError
+            out.append((int(layer), int(head)))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{part!r} is not LAYER:HEAD (e.g. 0:3,15:2,-1:0)"
+            ) from None
     return out
 
 
@@ -87,7 +94,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=_pairs,
         default=None,
         help="LAYER:HEAD pairs for the heatmap figure (default: the heads where attention and "
-        "contribution disagree most on token 0, in 3 layers)",
+        "contribution disagree most on token 0, in 3 layers); negative layers count from the "
+        "end, written with '=': --heads=-1:0",
     )
     p.add_argument("--no-figures", action="store_true", help="skip the PNG figures")
     p.add_argument("--out", type=Path, required=True, help="output folder")
@@ -95,10 +103,21 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..loading import load_model
+    from ..inputs import InputError, resolve_layers
+    from ..loading import load_model, peek_dims
+    from ..measures.registry import resolve_measures
     from ..tracing import trace
 
+    # everything that can be checked is checked before the model loads
+    check_out_dir(args.out)
     text = read_text(args)
+    if not text.strip():
+        raise InputError("the text is empty; pass some text to trace")
+    resolve_measures(args.measures)  # an unknown measure names the valid ones
+    dims = peek_dims(args.model)  # the config alone; None: checked right after loading
+    if dims is not None:
+        resolve_layers(args.layers, dims.num_layers)  # a bad --layers fails here too
+        args.heads = check_heads(args.heads, dims.num_layers, dims.num_heads, args.layers)
     options = TraceOptions(
         measures=args.measures,
         layers=args.layers,
@@ -111,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
         memory_limit=args.memory_limit,
     )
     model = load_model(args.model, dtype=args.dtype, device=args.device)
+    args.heads = check_heads(args.heads, model.num_layers, model.num_heads, args.layers)
     start = time.perf_counter()
     result = trace(model, text, out=args.out, **options.as_kwargs())
     elapsed = time.perf_counter() - start

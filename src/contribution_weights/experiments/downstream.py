@@ -1,4 +1,4 @@
-"""Faithfulness on downstream tasks (SPEC §4, paper Figure 4).
+"""Faithfulness on downstream tasks (method §4, paper Figure 4).
 
 Each :class:`~..data.ChoiceItem` is scored by the log-likelihood of each option after
 the prompt: the option with the highest summed log-probability of its tokens is the

@@ -1,4 +1,4 @@
-"""Faithfulness on language modelling (SPEC §4, paper §5 and Figure 3).
+"""Faithfulness on language modelling (method §4, paper §5 and Figure 3).
 
 For each sequence, every (measure, mode, rate) configuration plus one clean row run as
 one batched forward (:func:`~.removal.token_logprobs`); the score is the perplexity of
@@ -221,7 +221,7 @@ def faithfulness(
     progress: bool = True,
     source: str | None = None,
 ) -> FaithfulnessResult:
-    """Comprehensiveness and sufficiency of each measure on ``texts`` (SPEC §4).
+    """Comprehensiveness and sufficiency of each measure on ``texts`` (method §4).
 
     Texts longer than ``max_tokens`` are truncated to their first ``max_tokens`` tokens;
     blank texts and texts of fewer than 2 tokens are skipped (counted in

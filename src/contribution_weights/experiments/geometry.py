@@ -1,4 +1,4 @@
-"""Value geometry and attention sinks (paper §6 and appendix D; SPEC §3, §5), for any model.
+"""Value geometry and attention sinks (paper §6 and appendix D; method §3, §5), for any model.
 
 One function per analysis, each taking a :class:`~..loading.LoadedModel` and texts (or
 token-id lists) and returning a tidy result::
@@ -191,7 +191,9 @@ class GeometryAccumulator:
     def resolve_sink_layers(self) -> list[int]:
         """The given sink layers, or those detected from the mean α_i0 seen so far."""
         if self.options.sink_layers is not None:
-            self.sink_layers = resolve_layers(list(self.options.sink_layers), self.num_layers)
+            self.sink_layers = resolve_layers(
+                list(self.options.sink_layers), self.num_layers, allow_empty=True
+            )
         elif self.sink_layers is None:
             rate = self.stats["sink_rate"]
             assert isinstance(rate, SinkRate)

@@ -1,4 +1,4 @@
-"""Held-out R² of the component regressions (paper Tables 1 and 3, SPEC §5).
+"""Held-out R² of the component regressions (paper Tables 1 and 3, method §5).
 
 Pure numpy on sampled points ``(α, r, κ, ĉ)``. Each regression is ordinary least squares
 with an intercept; its score is the mean over ``folds`` folds of the R² on the held-out

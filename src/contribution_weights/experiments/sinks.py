@@ -1,4 +1,4 @@
-"""Attention sinks as active suppressors (paper §6.2, SPEC §5): three analyses.
+"""Attention sinks as active suppressors (paper §6.2, method §5): three analyses.
 
 * :class:`NormFit` — per head, the fit of ‖o_i^(h)‖² on the sink attention α = α_i0:
   ``‖o‖² ≈ α²‖ṽ_0‖² + 2α(1−α)γ' + (1−α)²κ'²``. With ``‖ṽ_0‖²`` measured (per sequence),

@@ -1,4 +1,4 @@
-"""Per-layer statistics of value geometry, accumulated sequence by sequence (SPEC §3, §5).
+"""Per-layer statistics of value geometry, accumulated sequence by sequence (method §3, §5).
 
 An observer (:class:`~.geometry.GeometryAccumulator`) hands every :class:`Stat` one
 :class:`BlockView` per layer and block of queries of each sequence (batch of one). A
@@ -144,7 +144,7 @@ class LayerMeans(Stat):
 
 class FirstTokenWeight(LayerMeans):
     """Table 4: E[w_0^(l)] = (1/T) Σ_i Σ_h w_i0 with the registry's normalised weights
-    (SPEC §3), via :func:`~..measures.aggregates.first_token_weight_of` per block."""
+    (method §3), via :func:`~..measures.aggregates.first_token_weight_of` per block."""
 
     columns = WEIGHT_MEASURES
 

@@ -1,4 +1,4 @@
-"""Pure tensor maths: the per-layer measures (SPEC §2) and their aggregates (SPEC §3)."""
+"""Pure tensor maths: the per-layer measures (method §2) and their aggregates (method §3)."""
 
 from .aggregates import entropy, first_token_weight, normalised, token_scores
 from .layer import LayerTensors, safe_div, split_output_weight

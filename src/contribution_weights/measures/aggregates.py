@@ -1,4 +1,4 @@
-"""Aggregates of SPEC §3 over ``(..., H, T, T)`` weight tensors (pure maths).
+"""Aggregates of method §3 over ``(..., H, T, T)`` weight tensors (pure maths).
 
 The leading dimensions are free: a single layer ``(H, T, T)`` or a stack of layers
 ``(L, H, T, T)``; reductions over layers are left to the caller.

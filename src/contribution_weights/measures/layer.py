@@ -1,4 +1,4 @@
-"""The per-layer quantities of SPEC §2 as pure tensor maths.
+"""The per-layer quantities of method §2 as pure tensor maths.
 
 :class:`LayerTensors` holds what one attention layer produced for a block of queries
 (attention probabilities, values per KV head, the output projection) and derives every
@@ -254,7 +254,7 @@ class Factors:
         return reciprocal(self.output_norm)
 
 
-# ---- the measures of the method (docs/method.md) -----------------------------------------
+# ---- the measures of method §2 (docs/method.md) --------------------------------------------
 Weights = Float[Tensor, "b h i t"]  # one value per batch item, head, query and key
 
 

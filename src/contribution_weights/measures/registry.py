@@ -5,16 +5,18 @@ new measure is one function plus one :func:`register_measure` call.
 
 Each :class:`Measure` maps a :class:`~.layer.LayerTensors` to a ``(B, H, I, T)`` tensor
 and says how to normalise it so that, per query, the weights sum to one over heads and
-keys (docs/method.md); measures that are not weights (the relative norm and the cosine)
+keys (method §3); measures that are not weights (the relative norm and the cosine)
 have no normalisation and are left out of weight summaries.
 
 Stored and derived measures. Only a few measures need their own ``T × T`` work: the
-attention α, the contribution ĉ, the intra-head contribution č, the cosine κ and the
-distance. The others are cheap functions of one stored map and the per-layer norms
-(:class:`~.layer.Factors`): ``vw = α·‖ṽ_j‖``, ``vw_on = α·‖ṽ_j‖/‖o_i‖``,
+attention α, the intra-head contribution č, the distance, and either the contribution ĉ
+and the cosine κ or the one factor both follow from, p = ⟨o_i, ṽ_j⟩/‖o_i‖² (ĉ = α·p,
+κ = p·‖o_i‖/‖ṽ_j‖). The others are cheap functions of a stored map and the per-layer
+norms (:class:`~.layer.Factors`): ``vw = α·‖ṽ_j‖``, ``vw_on = α·‖ṽ_j‖/‖o_i‖``,
 ``relative_norm = ‖ṽ_j‖/‖o_i‖`` (no map at all) and ``ihc = |ĉ|``. A trace keeps the
-stored maps and derives the rest when they are read (``Measure.derive``), with exactly
-the arithmetic of ``Measure.compute``, so a derived map equals the computed one bit for bit.
+stored maps (:func:`stored_measures`) and derives the rest when they are read
+(``Measure.recipes``), with exactly the arithmetic of ``Measure.compute``, so a derived
+map equals the computed one bit for bit.
 """
 
 # ruff: noqa: F722  (jaxtyping shape strings are not forward references)

@@ -36,32 +36,81 @@ def wants_log_scale(values: np.ndarray) -> bool:
     return bool(v.size and (v > 0).all() and v.max() / v.min() > LOG_RANGE)
 
 
+def _dodge(rates: np.ndarray, i: int, count: int) -> float:
+    """A small horizontal offset for line ``i`` of ``count``, so error bars at the same rate
+    do not hide each other (about 1% of the rate span apart)."""
+    rates = np.unique(rates[np.isfinite(rates)])
+    span = float(rates.max() - rates.min()) if rates.size > 1 else 0.1
+    return (i - (count - 1) / 2) * 0.012 * span
+
+
+def _rate_axis(ax: Any, rates: np.ndarray) -> None:
+    """Ticks at the rates that were run, with a margin on either side."""
+    rates = np.unique(rates[np.isfinite(rates)])
+    ax.set_xticks(rates, [f"{r:g}" for r in rates])
+    span = float(rates.max() - rates.min()) if rates.size > 1 else 0.0
+    pad = 0.08 * span if span > 0 else 0.05
+    ax.set_xlim(float(rates.min()) - pad, float(rates.max()) + pad)
+    ax.set_xlabel("removal rate p")
+
+
+def _by_measure(
+    ax: Any, part: pd.DataFrame, value: str, se: np.ndarray | None, rate: float
+) -> None:
+    """One rate: a point per measure (categorical x), with its error bar."""
+    names = [str(m) for m in part["measure"]]
+    for i, name in enumerate(names):
+        color, marker = _style(name, i)
+        y = float(part[value].iloc[i])
+        err = None if se is None else [[se[i]], [se[i]]]
+        ax.errorbar([i], [y], yerr=err, fmt=marker, color=color, capsize=4, ms=7, label=name)
+    ax.set_xticks(range(len(names)), names)
+    ax.set_xlim(-0.6, len(names) - 0.4)
+    ax.set_xlabel(f"measure (removal rate p = {rate:g})")
+
+
 def plot_faithfulness(
     summary: pd.DataFrame, path: str | Path | None = None, title: str | None = None
 ) -> Any:
-    """ΔPPL against removal rate: a panel per mode, one line per measure (± 1 s.e.)."""
+    """ΔPPL against removal rate: a panel per mode, one line per measure (nudged sideways a
+    little so that error bars stay apart), error bars ±1 standard error over sequences
+    (``delta_ppl_se``). With a single rate each panel shows
+    one point per measure instead of a line."""
     modes = list(dict.fromkeys(summary["mode"]))
+    rates = summary["rate"].to_numpy(float)
+    single = np.unique(rates).size == 1
     fig, axes = plt.subplots(1, len(modes), figsize=(5 * len(modes), 3.8), squeeze=False)
     for ax, mode in zip(axes[0], modes, strict=True):
         part = summary[summary["mode"] == mode]
-        for i, (measure, g) in enumerate(part.groupby("measure", sort=False)):
-            g = g.sort_values("rate")
-            color, marker = _style(str(measure), i)
-            se = g["delta_ppl_se"].fillna(0).to_numpy(float)
-            y = g["delta_ppl_mean"].to_numpy(float)
-            x = g["rate"].to_numpy(float)
-            ax.plot(x, y, marker=marker, color=color, label=str(measure))
-            ax.fill_between(x, y - se, y + se, color=color, alpha=0.15, linewidth=0)
+        if single:
+            se = part["delta_ppl_se"].fillna(0).to_numpy(float)
+            _by_measure(ax, part, "delta_ppl_mean", se, float(rates[0]))
+        else:
+            groups = list(part.groupby("measure", sort=False))
+            for i, (measure, g) in enumerate(groups):
+                g = g.sort_values("rate")
+                color, marker = _style(str(measure), i)
+                shift = _dodge(part["rate"].to_numpy(float), i, len(groups))
+                ax.errorbar(
+                    g["rate"].to_numpy(float) + shift,
+                    g["delta_ppl_mean"].to_numpy(float),
+                    yerr=g["delta_ppl_se"].fillna(0).to_numpy(float),
+                    marker=marker,
+                    color=color,
+                    capsize=3,
+                    label=str(measure),
+                )
+            _rate_axis(ax, part["rate"].to_numpy(float))
         if wants_log_scale(part["delta_ppl_mean"].to_numpy(float)):
             ax.set_yscale("log")
         better = (
             "higher is more faithful" if mode == "comprehensiveness" else "lower is more faithful"
         )
         ax.set_title(f"{mode} ({better})", fontsize=10)
-        ax.set_xlabel("removal rate p")
-        ax.set_ylabel("ΔPPL")
+        ax.set_ylabel("ΔPPL (mean ± 1 s.e.)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if not single:  # one rate: the measures are already the x axis
+            ax.legend(fontsize=8)
     if title:
         fig.suptitle(title, fontsize=11)
     fig.tight_layout()
@@ -71,24 +120,48 @@ def plot_faithfulness(
     return fig
 
 
+def binomial_se(accuracy: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """Standard error of an accuracy over ``n`` items, √(a(1−a)/n)."""
+    a = np.asarray(accuracy, dtype=float)
+    return np.sqrt(np.clip(a * (1 - a), 0, None) / np.maximum(np.asarray(n, dtype=float), 1))
+
+
 def plot_downstream(
     summary: pd.DataFrame, path: str | Path | None = None, title: str | None = None
 ) -> Any:
-    """Accuracy against sufficiency removal rate: a panel per task, clean accuracy dashed."""
+    """Accuracy against sufficiency removal rate: a panel per task, clean accuracy dashed,
+    error bars ±1 binomial standard error √(a(1−a)/n). With a single rate each panel shows
+    one point per measure."""
     tasks = list(dict.fromkeys(summary["task"]))
+    single = summary["rate"].nunique() == 1
     fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 3.8), squeeze=False)
     for ax, task in zip(axes[0], tasks, strict=True):
         part = summary[summary["task"] == task]
-        for i, (measure, g) in enumerate(part.groupby("measure", sort=False)):
-            g = g.sort_values("rate")
-            color, marker = _style(str(measure), i)
-            ax.plot(g["rate"], g["accuracy"], marker=marker, color=color, label=str(measure))
+        if single:
+            se = binomial_se(part["accuracy"].to_numpy(float), part["n"].to_numpy(float))
+            _by_measure(ax, part, "accuracy", se, float(part["rate"].iloc[0]))
+        else:
+            groups = list(part.groupby("measure", sort=False))
+            for i, (measure, g) in enumerate(groups):
+                g = g.sort_values("rate")
+                color, marker = _style(str(measure), i)
+                acc = g["accuracy"].to_numpy(float)
+                shift = _dodge(part["rate"].to_numpy(float), i, len(groups))
+                ax.errorbar(
+                    g["rate"].to_numpy(float) + shift,
+                    acc,
+                    yerr=binomial_se(acc, g["n"].to_numpy(float)),
+                    marker=marker,
+                    color=color,
+                    capsize=3,
+                    label=str(measure),
+                )
+            _rate_axis(ax, part["rate"].to_numpy(float))
         clean = float(part["clean_accuracy"].iloc[0])
         ax.axhline(clean, color="black", linestyle="--", linewidth=1, label="clean")
         n = int(part["n"].iloc[0])
         ax.set_title(f"{task} (n={n}, sufficiency)", fontsize=10)
-        ax.set_xlabel("removal rate p")
-        ax.set_ylabel("accuracy")
+        ax.set_ylabel("accuracy (± 1 s.e.)")
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

@@ -6,13 +6,18 @@ model. Functions return the matplotlib Figure; :func:`save` writes it as a PNG.
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
 matplotlib.use("Agg")
+import matplotlib.colors as mcolors
 import matplotlib.pyplot as plt
+import numpy as np
 import torch
 from matplotlib.figure import Figure
 
@@ -20,13 +25,18 @@ from ..measures.registry import get_measure
 from ..results import Trace
 
 FIRST_TOKEN_MEASURES = ("attention", "vw", "contribution")
-_MAX_TICK_LABELS = 48
+ALL_LABELS_UP_TO = 64  # texts up to this many tokens get every token on the axes
+SUBSET_LABELS = 32  # longer texts: about this many evenly spaced tokens, with their index
+CLIP_PERCENTILE = 99.5  # colour limits: this percentile of |w| (larger values saturate)
+MASKED = "#eceef2"  # keys after the query (not attended), as in the HTML report
 
 
 def save(fig: Figure, path: str | Path, dpi: int = 130) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi, bbox_inches="tight")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Glyph .* missing from font")
+        fig.savefig(path, dpi=dpi, bbox_inches="tight")
     plt.close(fig)
     return path
 
@@ -50,8 +60,53 @@ def sink_heads(trace: Trace, count: int = 3) -> list[tuple[int, int]]:
     return pairs
 
 
-def _labels(tokens: Sequence[str]) -> list[str]:
-    return [t.replace("\n", "\\n") if t.strip() else repr(t)[1:-1] or "·" for t in tokens]
+def token_label(token: str) -> str:
+    """A token as an axis label: whitespace made visible, no matplotlib mathtext."""
+    shown = token.replace("\n", "↵").replace("\t", "⇥").replace("\r", "")
+    if not shown.strip():
+        shown = shown.replace(" ", "·") or "∅"
+    return shown.replace("$", r"\$")
+
+
+def tick_positions(num_tokens: int) -> list[int]:
+    """Which tokens label the axes: all of a short text, evenly spaced ones beyond."""
+    if num_tokens <= ALL_LABELS_UP_TO:
+        return list(range(num_tokens))
+    step = math.ceil(num_tokens / SUBSET_LABELS)
+    return list(range(0, num_tokens, step))
+
+
+def colour_limit(values: np.ndarray, percentile: float = CLIP_PERCENTILE) -> float:
+    """A robust colour limit: the ``percentile`` of |w| over the finite values (1 if all 0)."""
+    finite = np.abs(values[np.isfinite(values)])
+    if not finite.size or finite.max() <= 0:
+        return 1.0
+    limit = float(np.percentile(finite, percentile))
+    return limit if limit > 0 else float(finite.max())
+
+
+def _signed_sqrt_norm(limit: float) -> mcolors.Normalize:
+    """Symmetric about 0, square-root contrast: small weights stay visible next to a sink."""
+
+    def forward(x: np.ndarray) -> np.ndarray:
+        return np.sign(x) * np.sqrt(np.abs(x))
+
+    def inverse(x: np.ndarray) -> np.ndarray:
+        return np.sign(x) * np.square(x)
+
+    return mcolors.FuncNorm((forward, inverse), vmin=-limit, vmax=limit, clip=False)
+
+
+def _axis_labels(ax: Any, tokens: Sequence[str], t: int) -> None:
+    ticks = tick_positions(t)
+    if t <= ALL_LABELS_UP_TO:
+        labels = [token_label(tokens[i]) for i in ticks]
+        size = max(4.0, min(8.0, 360 / max(t, 1)))
+    else:
+        labels = [f"{i} {token_label(tokens[i])}" for i in ticks]
+        size = 6.0
+    ax.set_xticks(ticks, labels, rotation=90, fontsize=size)
+    ax.set_yticks(ticks, labels, fontsize=size)
 
 
 def plot_heatmaps(
@@ -61,42 +116,54 @@ def plot_heatmaps(
 ) -> Figure:
     """One row per (layer, head), one column per measure (paper Figure 1).
 
-    Signed measures use a diverging scale centred on 0 (blue: opposes the output).
+    Axes are labelled with the tokens (every token up to :data:`ALL_LABELS_UP_TO` tokens,
+    an evenly spaced subset with indices beyond). Colours use a square-root contrast up
+    to a robust limit, the :data:`CLIP_PERCENTILE` percentile of |w| in the panel (larger
+    values saturate; the colour bar's arrow says so): signed measures on a diverging
+    scale symmetric about 0 (red adds to the output, blue opposes it), unsigned ones
+    from 0. Grey cells are keys after the query.
     """
     measures = [m for m in measures if m in trace] or list(trace.measures)[:2]
     pairs = list(pairs) if pairs else sink_heads(trace)
     t = trace.num_tokens
-    size = min(5.0, 2.5 + t / 20)
+    size = min(9.0, 3.0 + t / 12) if t <= ALL_LABELS_UP_TO else 7.0
     fig, axes = plt.subplots(
         len(pairs),
         len(measures),
-        figsize=(size * len(measures) + 1, size * len(pairs)),
+        figsize=(size * len(measures) + 1.5, size * len(pairs)),
         squeeze=False,
     )
-    labels = _labels(trace.tokens)
-    mask = torch.ones(t, t, dtype=torch.bool).triu(1)
+    mask = np.triu(np.ones((t, t), dtype=bool), 1)
     for r, (layer, head) in enumerate(pairs):
         pos = trace.layer_position(layer)
         if not 0 <= head < trace.num_heads:
             raise ValueError(f"head {head} out of range: the model has {trace.num_heads} heads")
         for c, name in enumerate(measures):
             ax = axes[r][c]
-            w = trace[name][pos, head].clone().float()
-            w[mask] = float("nan")
-            if get_measure(name).signed:
-                vmax = float(w.nan_to_num(0).abs().max()) or 1.0
-                im = ax.imshow(w, cmap="RdBu_r", vmin=-vmax, vmax=vmax)
+            w = trace[name][pos, head].detach().to("cpu", torch.float64).numpy().copy()
+            w[mask] = np.nan
+            limit = colour_limit(w)
+            signed = get_measure(name).signed or bool(np.nanmin(w) < 0)
+            if signed:
+                cmap = plt.get_cmap("RdBu_r").with_extremes(bad=MASKED)
+                norm: mcolors.Normalize = _signed_sqrt_norm(limit)
             else:
-                im = ax.imshow(w, cmap="viridis", vmin=0)
+                cmap = plt.get_cmap("viridis").with_extremes(bad=MASKED)
+                norm = mcolors.PowerNorm(0.5, vmin=0.0, vmax=limit, clip=False)
+            im = ax.imshow(w, cmap=cmap, norm=norm, interpolation="nearest")
             ax.set_title(f"{name} — layer {layer}, head {head}", fontsize=9)
             ax.set_xlabel("key")
             ax.set_ylabel("query")
-            if t <= _MAX_TICK_LABELS:
-                ax.set_xticks(range(t), labels, rotation=90, fontsize=6)
-                ax.set_yticks(range(t), labels, fontsize=6)
-            fig.colorbar(im, ax=ax, fraction=0.046, pad=0.02)
+            _axis_labels(ax, trace.tokens, t)
+            over = np.nanmax(np.abs(w)) > limit if np.isfinite(w).any() else False
+            extend = ("both" if signed else "max") if over else "neither"
+            bar = fig.colorbar(im, ax=ax, fraction=0.046, pad=0.02, extend=extend)
+            bar.set_label(f"√ contrast, clipped at {CLIP_PERCENTILE:g}th pct of |w|", fontsize=7)
+            bar.ax.tick_params(labelsize=7)
     fig.suptitle(f"{trace.model_name}: attention vs contribution", fontsize=11)
-    fig.tight_layout()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Glyph .* missing from font")
+        fig.tight_layout(rect=(0, 0, 1, 0.985))
     return fig
 
 

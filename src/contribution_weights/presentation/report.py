@@ -32,9 +32,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from tqdm.auto import tqdm
+import torch
 
 from ..measures.registry import get_measure
+from ..progress import bar, status
 from .report_data import ChunkInfo, b64, check_precision, decode_chunk, encode_chunk, rounding_note
 
 if TYPE_CHECKING:
@@ -44,6 +45,10 @@ DEFAULT_MEASURES = ("attention", "contribution", "intra", "vw", "vw_on", "distan
 DEFAULT_MAX_BYTES = 100 * 2**20  # SmolLM2, 512 tokens, 30 layers: 80.9 MiB
 NOTEBOOK_MAX_BYTES = 8 * 2**20
 FORMAT_VERSION = 1
+#: from this many tokens the page opens with √ contrast and each heatmap row scaled to its
+#: own maximum: at a few hundred tokens most weights are small next to the sink and the
+#: diagonal, and a linear scale for the whole block leaves the heatmaps nearly blank
+LONG_TEXT_TOKENS = 200
 _CHUNK_TAG = '<script type="application/x-cw-chunk" id="{id}">{data}</script>\n'
 
 
@@ -62,6 +67,12 @@ class ReportInfo:
     dropped_layers: list[int]
     precision: str
     warnings: list[str] = field(default_factory=list)
+
+
+def view_defaults(num_tokens: int) -> dict[str, str]:
+    """The page's initial contrast and heatmap scaling (the reader can change both)."""
+    long = num_tokens >= LONG_TEXT_TOKENS
+    return {"contrast": "sqrt" if long else "linear", "heat_rows": "row" if long else "block"}
 
 
 def _asset(name: str) -> str:
@@ -119,12 +130,11 @@ def _ranges(items: list[int]) -> str:
     return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 
-def _is_signed(name: str, values: np.ndarray) -> bool:
+def _declared_signed(name: str) -> bool:
     try:
-        declared = get_measure(name).signed
+        return bool(get_measure(name).signed)
     except ValueError:
-        declared = False
-    return bool(declared or (values < 0).any())
+        return False
 
 
 def _measure_meta(name: str, signed: bool) -> dict[str, Any]:
@@ -166,30 +176,52 @@ def _summary_tables(trace: Trace) -> tuple[dict[str, Any], dict[str, Any]]:
 
 class _Encoder:
     """The chunks of a report, each encoded on first use, so that most layers left out
-    for size are never encoded (the mean-over-layers chunks are always needed)."""
+    for size are never encoded (the mean-over-layers chunks are always needed).
+
+    Maps are read one (layer, head) at a time, ``trace[name][layer_pos, head]``, so a
+    trace whose tensors stay on disk is never loaded whole."""
 
     def __init__(
         self, trace: Trace, names: list[str], precision: str, progress: bool, n_layers: int
     ):
         self.trace, self.names, self.precision = trace, names, precision
-        self.values = {n: trace[n].detach().to("cpu").float().numpy() for n in names}
-        self.signed = {n: _is_signed(n, v) for n, v in self.values.items()}
-        self.bar = tqdm(
-            total=len(names) * (n_layers + 1),
+        self.num_heads = trace.num_heads
+        traced = len(trace.layers)
+        self.bar = bar(
+            total=len(names) * (traced + n_layers + 1),
             desc="report: encoding",
-            unit="chunk",
+            unit="step",
             disable=not progress,
         )
         self._layers: dict[int, list[tuple[ChunkInfo, str]]] = {}
+        self.signed: dict[str, bool] = {}
+        sums = {}
+        for name in names:  # one pass over every traced layer: signs and the layer mean
+            total: np.ndarray | None = None
+            negative = False
+            for pos in range(traced):
+                block = self.block(name, pos)
+                negative = negative or bool((block < 0).any())
+                total = block.astype(np.float64) if total is None else total + block
+                self.bar.update()
+            self.signed[name] = _declared_signed(name) or negative
+            sums[name] = total
         self.mean_chunks = []
-        for k, (name, values) in enumerate(self.values.items()):
-            mean = np.concatenate(
-                [
-                    values.mean(0, dtype=np.float64),
-                    values.sum(axis=(0, 1), dtype=np.float64)[None] / len(values),
-                ]
-            )
+        for k, name in enumerate(names):
+            total = sums.pop(name)
+            assert total is not None
+            mean = np.concatenate([total / traced, total.sum(0, keepdims=True) / traced])
             self.mean_chunks.append(self._chunk(k, name, "mean", mean))
+
+    def block(self, name: str, pos: int) -> np.ndarray:
+        """``(H, T, T)`` float32 of one traced layer, read head by head."""
+        values = self.trace[name]
+        return np.stack(
+            [
+                values[pos, h].detach().to("cpu", torch.float32).numpy()
+                for h in range(self.num_heads)
+            ]
+        )
 
     def _chunk(self, k: int, name: str, layer: str, blocks: np.ndarray) -> tuple[ChunkInfo, str]:
         text = b64(encode_chunk(blocks, self.precision, self.signed[name]))
@@ -201,8 +233,8 @@ class _Encoder:
         if layer not in self._layers:
             pos = self.trace.layer_position(layer)
             chunks = []
-            for k, (name, values) in enumerate(self.values.items()):
-                block = values[pos]
+            for k, name in enumerate(self.names):
+                block = self.block(name, pos)
                 blocks = np.concatenate([block, block.sum(0, keepdims=True, dtype=np.float64)])
                 chunks.append(self._chunk(k, name, str(layer), blocks))
             self._layers[layer] = chunks
@@ -289,7 +321,8 @@ def build_report(
         trace.layer_position(layer)  # raises with the traced layers listed
     if not wanted:
         raise ValueError("no layer given for the report; pass layers=None for all traced layers")
-    table, chart = _summary_tables(trace)
+    with status("report: summary (first-token weight, entropy)", enabled=progress):
+        table, chart = _summary_tables(trace)
     enc = _Encoder(trace, names, precision, progress, len(wanted))
     title = title or f"Contribution weights · {trace.model_name or 'trace'}"
     meta: dict[str, Any] = {
@@ -314,6 +347,7 @@ def build_report(
             for i, layer in enumerate(trace.layers)
         },
         "compact": compact,
+        "defaults": view_defaults(trace.num_tokens),
     }
 
     def render(chosen: list[int], notes: list[str]) -> str:

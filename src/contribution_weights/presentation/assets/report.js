@@ -23,8 +23,10 @@
     query: null, // the query shown (hovered or pinned)
     pinned: null,
     ignoreFirst: false,
-    contrast: "linear",
-    heatRows: "block", // heatmap colour scale: "block" (one for all cells) or "row" (each query row)
+    // long texts open with √ contrast and per-row heatmap scaling (META.defaults, set by
+    // report.py's view_defaults): a linear scale for the whole block is nearly blank there
+    contrast: (META.defaults && META.defaults.contrast) || "linear",
+    heatRows: (META.defaults && META.defaults.heat_rows) || "block", // "block" (one scale for all cells) or "row" (each query row)
     hm: [
       META.measure_order.includes("attention") ? "attention" : META.measure_order[0],
       META.measure_order.includes("contribution") ? "contribution" : META.measure_order[META.measure_order.length - 1],
@@ -431,7 +433,8 @@
       T + " tokens",
       META.layers.length + " of " + META.traced_layers.length + " traced layers embedded",
       H + " heads",
-      META.precision === "uint8" ? "8-bit weights" : "float16 weights",
+      (META.precision === "uint8" ? "values rounded to 8 bits" : "values rounded to float16") +
+        " for this page (the model is not quantised; see “About these numbers”)",
     ].filter(Boolean);
     $("cw-subtitle").innerHTML = sub.join(" · ");
     META.warnings.forEach((w) => {
@@ -450,6 +453,8 @@
     fillSelect($("cw-layer"), META.layers.map((l) => [l, "layer " + l]).concat([[MEAN, "mean over layers"]]), state.layer);
     fillSelect($("cw-head"), Array.from({ length: H }, (_, h) => [h, "head " + h]).concat([[SUM, "Σ sum over heads"]]), state.head);
     heatmaps.forEach((hm, k) => fillSelect(hm.select, measures, state.hm[k]));
+    $("cw-contrast").value = state.contrast;
+    $("cw-heat-rows").value = state.heatRows;
 
     $("cw-measure").addEventListener("change", (e) => { state.measure = e.target.value; render(); });
     $("cw-layer").addEventListener("change", (e) => { state.layer = e.target.value; render(); });
