@@ -51,7 +51,7 @@ from .families import FamilySpec, UnsupportedModelError, family_for
 from .measures.layer import LayerTensors, split_output_weight
 
 ATTN_IMPLEMENTATION = "contribution_weights"
-DEFAULT_BLOCK_BYTES = 128 * 1024**2
+DEFAULT_BLOCK_BYTES = 32 * 1024**2
 
 _ACTIVE: contextvars.ContextVar[CaptureSession | None] = contextvars.ContextVar(
     "contribution_weights_session", default=None

@@ -554,8 +554,13 @@ def write_metadata(trace: Trace, out: Path) -> None:
     save_file(vectors, str(out / "vectors.safetensors"))
     if trace.reductions:
         tensors: dict[str, Tensor] = {}
+        seen: set[int] = set()
         for r in trace.reductions.values():
-            tensors.update({k: v.contiguous() for k, v in r.tensors().items()})
+            for k, v in r.tensors().items():
+                v = v.contiguous()
+                # shared tensors (vw_on's top keys are vw's) are written as copies
+                tensors[k] = v.clone() if v.data_ptr() in seen else v
+                seen.add(v.data_ptr())
         save_file(tensors, str(out / "reductions.safetensors"))
     write_json(out / "tokens.json", {"ids": trace.input_ids.tolist(), "tokens": trace.tokens})
     meta = {

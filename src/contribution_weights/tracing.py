@@ -254,7 +254,10 @@ def plan_memory(
     maps_disk = packed * len(stored) if (streamed and maps) else 0
     red = 0
     if reductions:
-        red = len(measures) * num_layers * heads * t * (5 * csize + top_k * (csize + 4))
+        key = 2 if t <= 2**15 else 4
+        weights = sum(get_measure(m).is_weight for m in measures)
+        per = weights * (5 * csize + top_k * (csize + key)) + (len(measures) - weights) * 3 * csize
+        red = num_layers * heads * t * per
     per_row = heads * t * 8
     rows = max(1, min(t, block_bytes // max(1, per_row)))
     block = rows * heads * t * csize

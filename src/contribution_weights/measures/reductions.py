@@ -119,16 +119,29 @@ class ReductionAccumulator:
         shape = (num_layers, num_heads, num_tokens)
         self.top_k = min(top_k, num_tokens)
         self.results: dict[str, MeasureReductions] = {}
+        # keys fit int16 up to 32,768 tokens (−1 marks an empty slot)
+        key_dtype = torch.int16 if num_tokens <= 2**15 else torch.int32
+        empty = torch.zeros((), dtype=dtype, device=device).expand(shape)
         for name in measures:
             weight = get_measure(name).is_weight
             k = self.top_k if weight else 0
-            zeros = {f: torch.zeros(shape, dtype=dtype, device=device) for f in FIELDS}
+            fields = {
+                f: torch.zeros(shape, dtype=dtype, device=device)
+                if weight or f in ("token_sums", "first", "row_sum")
+                else empty  # entropies are kept for weights only
+                for f in FIELDS
+            }
             self.results[name] = MeasureReductions(
                 name,
-                **zeros,
+                **fields,
                 top_values=torch.zeros(*shape, k, dtype=dtype, device=device) if k else None,
-                top_keys=torch.zeros(*shape, k, dtype=torch.int32, device=device) if k else None,
+                top_keys=torch.zeros(*shape, k, dtype=key_dtype, device=device) if k else None,
             )
+        # measures whose top keys are another's (vw_on: vw's, row-scaled; ihc: contribution's,
+        # |·|) share that tensor instead of a copy
+        for name, base in (("vw_on", "vw"), ("ihc", "contribution")):
+            if name in self.results and base in self.results:
+                self.results[name].top_keys = self.results[base].top_keys
 
     def add(
         self,
@@ -185,7 +198,7 @@ class ReductionAccumulator:
         k = keys.shape[-1]
         r.top_keys[pos, :, rows] = -1
         r.top_values[pos, :, rows] = 0
-        r.top_keys[pos, :, rows, :k] = torch.where(beyond, -1, keys).to(torch.int32)
+        r.top_keys[pos, :, rows, :k] = torch.where(beyond, -1, keys).to(r.top_keys.dtype)
         r.top_values[pos, :, rows, :k] = torch.where(beyond, 0, values)
 
     def add_row_scaled(
@@ -212,7 +225,8 @@ class ReductionAccumulator:
         r.entropy_excl_first[pos, :, rows] = b.entropy_excl_first[pos, :, rows]
         if r.top_values is not None and r.top_keys is not None and b.top_values is not None:
             assert b.top_keys is not None
-            r.top_keys[pos, :, rows] = b.top_keys[pos, :, rows]
+            if r.top_keys is not b.top_keys:
+                r.top_keys[pos, :, rows] = b.top_keys[pos, :, rows]
             r.top_values[pos, :, rows] = b.top_values[pos, :, rows] * s[:, None]
 
     def add_abs_of(
@@ -236,7 +250,8 @@ class ReductionAccumulator:
         r.entropy_excl_first[pos, :, rows] = b.entropy_excl_first[pos, :, rows]
         if r.top_values is not None and r.top_keys is not None and b.top_values is not None:
             assert b.top_keys is not None
-            r.top_keys[pos, :, rows] = b.top_keys[pos, :, rows]
+            if r.top_keys is not b.top_keys:
+                r.top_keys[pos, :, rows] = b.top_keys[pos, :, rows]
             r.top_values[pos, :, rows] = b.top_values[pos, :, rows].abs()
 
     def add_rank_one(
