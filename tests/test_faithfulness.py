@@ -397,7 +397,12 @@ def test_blank_and_one_token_texts_are_skipped_and_counted():
     lm = tiny_model("llama")
     res = faithfulness(lm, [TEXT, "   ", "a", "another short text"], measures=["attention"],
                        rates=[0.5], modes=["sufficiency"], progress=False)  # fmt: skip
-    assert res.config["skipped"] == 2 and sorted(res.per_sequence.seq) == [0, 3]
+    assert sorted(res.per_sequence.seq) == [0, 3]
+    assert [(s["unit"], s["reason"]) for s in res.run_info["skipped"]] == [
+        (1, "blank text"),
+        (2, "fewer than 2 tokens: no next token to score"),
+    ]
+    assert res.run_info["seconds"] >= 0 and "torch" in res.run_info["versions"]
     with pytest.raises(ValueError, match="at least 2"):
         faithfulness(lm, [TEXT], max_tokens=1, progress=False)
 
@@ -425,26 +430,40 @@ def test_probs_and_valid_of_selected_batch_rows_equal_the_full_batch_rows():
     assert seen == list(range(lm.num_layers))
 
 
-def test_options_object_sets_the_sink_threshold(tmp_path, monkeypatch):
+def test_options_object_sets_the_sink_cosine(tmp_path, monkeypatch, capsys):
     from contribution_weights.cli import main
     from contribution_weights.experiments.faithfulness import FaithfulnessOptions
 
     lm = tiny_model("llama")
     # cosine > -1 holds for every token, so every token is a protected sink: nothing removed
-    opts = FaithfulnessOptions(measures=["vw"], rates=[0.5], sink_threshold=-1.0)
+    opts = FaithfulnessOptions(measures=["vw"], rates=[0.5], sink_cosine=-1.0)
     res = faithfulness(lm, [TEXT], options=opts, progress=False)
-    assert res.config["sink_threshold"] == -1.0 and (res.per_sequence.delta_nll == 0).all()
+    assert res.config["sink_cosine"] == -1.0 and (res.per_sequence.delta_nll == 0).all()
     default = faithfulness(lm, [TEXT], measures=["vw"], rates=[0.5], progress=False)
     assert (default.per_sequence.delta_nll != 0).any()
     with pytest.raises(ValueError, match="cosine"):
-        faithfulness(lm, [TEXT], sink_threshold=2.0, progress=False)
+        faithfulness(lm, [TEXT], sink_cosine=2.0, progress=False)
+    with pytest.warns(DeprecationWarning, match="sink_cosine"):  # the older keyword
+        old = faithfulness(lm, [TEXT], measures=["vw"], rates=[0.5], sink_threshold=-1.0,
+                           progress=False)  # fmt: skip
+    assert old.config["sink_cosine"] == -1.0
     monkeypatch.setattr("contribution_weights.loading.load_model", lambda *a, **k: lm)
     f = tmp_path / "t.txt"
     f.write_text(TEXT)
     rc = main(["faithfulness", "--file", str(f), "--measures", "vw", "--rates", "0.5",
-               "--sink-threshold", "-1", "--out", str(tmp_path / "o")])  # fmt: skip
+               "--sink-cosine", "-1", "--out", str(tmp_path / "o")])  # fmt: skip
     assert rc == 0
-    assert json.loads((tmp_path / "o" / "config.json").read_text())["sink_threshold"] == -1.0
+    assert json.loads((tmp_path / "o" / "config.json").read_text())["sink_cosine"] == -1.0
+    # the older flag still works, with a warning
+    rc = main(["faithfulness", "--file", str(f), "--measures", "vw", "--rates", "0.5",
+               "--sink-threshold", "-1", "--out", str(tmp_path / "o2")])  # fmt: skip
+    assert rc == 0 and "--sink-threshold is deprecated" in capsys.readouterr().err
+    assert json.loads((tmp_path / "o2" / "config.json").read_text())["sink_cosine"] == -1.0
+    # the CLI and the API refuse a bad value with the same message
+    rc = main(["faithfulness", "--file", str(f), "--sink-cosine", "3", "--out",
+               str(tmp_path / "o3")])  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 2 and "sink_cosine is a cosine, in [-1, 1]; got 3.0" in err
 
 
 def test_cli_corpus_arguments_take_the_first_n_and_refuse_n_below_one(

@@ -21,6 +21,21 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="e.g. cpu, cuda (default: cpu)")
 
 
+def model_device(args: argparse.Namespace) -> str | None:
+    """``--device``, or under a data-parallel launch on GPUs this process's own GPU."""
+    if args.device is not None:
+        return str(args.device)
+    import os
+
+    local = os.environ.get("LOCAL_RANK")
+    if local is not None and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        import torch
+
+        if torch.cuda.is_available():
+            return f"cuda:{int(local)}"
+    return None
+
+
 def add_text_arguments(p: argparse.ArgumentParser, example: bool = True) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--text", help="the text to trace")
