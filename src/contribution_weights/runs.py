@@ -109,10 +109,8 @@ class RunFolder:
         return folder
 
     def part(self, name: str) -> RunFolder:
-        """A sub-folder written like a run folder (no config): one process's part."""
-        sub = RunFolder.existing(self.path / name, self.config)
-        sub.path.mkdir(parents=True, exist_ok=True)
-        return sub
+        """A sub-folder written like a run folder (no config; made on first write)."""
+        return RunFolder.existing(self.path / name, self.config)
 
     def file(self, name: str) -> Path:
         return self.path / name
@@ -189,6 +187,7 @@ class RunFolder:
     def write_bytes(self, name: str, data: bytes) -> Path:
         """Replace a file atomically and durably (temporary file, fsync, rename)."""
         target = self.file(name)
+        target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(target.name + ".tmp")
         # plain open(): the file gets the usual 0666 & ~umask (0644), unlike mkstemp's 0600
         with tmp.open("wb") as fh:
@@ -200,6 +199,7 @@ class RunFolder:
 
 
 def _append(target: Path, text: str) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
     with target.open("a") as fh:
         fh.write(text)
         fh.flush()

@@ -151,9 +151,11 @@ def processes() -> Processes:
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world <= 1:
         return Processes()
+    import torch
     from accelerate import PartialState
 
-    state = PartialState()
+    # without GPUs the processes talk over gloo (accelerate's MULTI_CPU)
+    state = PartialState(cpu=not torch.cuda.is_available())
     return Processes(state.process_index, state.num_processes, state)
 
 
