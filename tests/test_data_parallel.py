@@ -49,7 +49,8 @@ def launch(args: list[str], processes: int = 2) -> subprocess.CompletedProcess:
 
 def _faith_args(root: Path, model: Path, out: str) -> list[str]:
     return ["faithfulness", "--file", str(root / "texts.txt"), "--model", str(model),
-            "--measures", "attention,ihc", "--rates", "0.2,0.5", "--out", str(root / out)]  # fmt: skip
+            "--measures", "attention,ihc", "--rates", "0.2,0.5",
+            "--out", str(root / out)]  # fmt: skip
 
 
 def test_two_processes_write_the_one_process_files_row_for_row(setup):
