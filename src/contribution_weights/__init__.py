@@ -18,8 +18,7 @@ from .capture import CaptureError, CaptureSession, LayerCall, capturing
 from .experiments import geometry
 from .experiments.downstream import DownstreamResult, downstream
 from .experiments.faithfulness import FaithfulnessResult, faithfulness
-from .experiments.geometry import GeometryOptions, GeometryResult
-from .experiments.geometry_run import run_geometry
+from .experiments.geometry import GeometryOptions, GeometryResult, run_geometry
 from .families import FamilySpec, UnsupportedModelError, register_family, supported_families
 from .inputs import InputError
 from .loading import LoadedModel, ModelLoadError, load_model

@@ -46,7 +46,7 @@ RENAMED = {
 }
 
 
-def _upgraded(config: dict[str, Any]) -> dict[str, Any]:
+def upgraded_config(config: dict[str, Any]) -> dict[str, Any]:
     """An older run's config with renamed options under their new names."""
     renames = RENAMED.get(str(config.get("experiment")), {})
     return {renames.get(k, k): v for k, v in config.items()}
@@ -83,7 +83,7 @@ class RunFolder:
         cfg_file = path / "config.json"
         if not cfg_file.exists():
             return
-        old = _upgraded(json.loads(cfg_file.read_text()))
+        old = upgraded_config(json.loads(cfg_file.read_text()))
         if not resume:
             raise RunFolderError(
                 f"{path} already holds a run; pass resume=True (CLI: --resume) to "

@@ -195,7 +195,9 @@ def run_experiment(
     if out is None:
         if procs.world > 1:
             raise ValueError("a data-parallel run needs a run folder: pass out= (CLI: --out DIR)")
-        with tempfile.TemporaryDirectory(prefix="cw-run-") as tmp:
+        with tempfile.TemporaryDirectory(
+            prefix="cw-run-"
+        ) as tmp:  # rows only; states stay in memory
             return _run(experiment, RunFolder(tmp, config), procs, progress, keep=False)
     # every process checks the folder (same inputs, same verdict) before any writes
     RunFolder.check(out, config, resume=resume)
@@ -222,7 +224,7 @@ def _run(
         todo = [u for u in phase.units if u not in done]
         mine = todo[procs.rank :: procs.world]
         if phase.state is not None:
-            if procs.world == 1:
+            if procs.world == 1 and keep:
                 _load_state(folder, phase)
             else:
                 phase.state.reset()
@@ -235,17 +237,17 @@ def _run(
         )
         try:
             for unit in mine:
-                _run_unit(files, phase, unit)
+                _run_unit(files, phase, unit, keep)
                 bar_.update(1)
         finally:
             bar_.close()
-            if phase.state is not None and not phase.save_state:
+            if phase.state is not None and not phase.save_state and keep:
                 _save_state(part, phase)
         procs.barrier()
         if procs.main:
             _consolidate(folder, phase)
         procs.barrier()
-        if phase.state is not None:
+        if phase.state is not None and keep:
             _load_state(folder, phase)  # every process sees the merged state
         counts[phase.name] = len(phase.units)
         if phase.rows_file is not None:
@@ -269,7 +271,7 @@ def _run(
     return result
 
 
-def _run_unit(files: _Files, phase: Phase, unit: int) -> None:
+def _run_unit(files: _Files, phase: Phase, unit: int, keep: bool = True) -> None:
     try:
         out = phase.run(unit)
     except SkipUnit as skip:
@@ -278,7 +280,7 @@ def _run_unit(files: _Files, phase: Phase, unit: int) -> None:
         return
     if phase.rows_file is not None and out:
         files.part.append_rows(phase.rows_file, out)
-    if phase.state is not None and phase.save_state:
+    if phase.state is not None and phase.save_state and keep:
         _save_state(files.part, phase)
 
 

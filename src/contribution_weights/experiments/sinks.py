@@ -78,6 +78,19 @@ class NormFit(Stat):
         for h, res in enumerate(self.points[layer]):
             res.add([a[h].float(), y[h].float()])
 
+    def begin(self, num_tokens: int, unit: int = 0) -> None:
+        for i, row in enumerate(self.points):
+            for h, res in enumerate(row):
+                res.reseed(97 * i + h, unit)
+
+    def merge(self, state: dict[str, Any]) -> None:
+        super().merge(state)
+        for key in ("xtx", "xty", "yty", "ysum", "ysq", "n", "v0_sum", "v0_count"):
+            setattr(self, key, getattr(self, key) + state[key])
+        for row, row_state in zip(self.points, state["points"], strict=True):
+            for res, res_state in zip(row, row_state, strict=True):
+                res.merge(res_state)
+
     def fit(self) -> list[dict[str, Any]]:
         """One row per head: γ', κ'², A, the curve's q, α_min, convexity, R² of ‖o‖²."""
         rows = []
@@ -178,10 +191,18 @@ class SemanticCone(Stat):
         self.snapshot: dict[str, Tensor] = {}  # projections of the first sequence
         self._buf: dict[int, Tensor] = {}
         self._t = 0
+        self._unit = 0
 
-    def begin(self, num_tokens: int) -> None:
+    def begin(self, num_tokens: int, unit: int = 0) -> None:
         self._buf = {}
         self._t = num_tokens
+        self._unit = unit
+
+    def merge(self, state: dict[str, Any]) -> None:
+        super().merge(state)
+        self.counts = self.counts + state["counts"]
+        if state["snapshot"] and not self.snapshot:  # the first sequence's, wherever it ran
+            self.snapshot = dict(state["snapshot"])
 
     def observe(self, view: BlockView) -> None:
         if self._t < 3:
@@ -201,7 +222,7 @@ class SemanticCone(Stat):
             buf[k, :, view.rows] = ((cos >= geo.cos_cone[:, None]) & (norm > 0)).float()
             if k == 1:
                 buf[0, :, view.rows] = norm
-        if self.sequences == 0:
+        if self._unit == 0:  # the snapshot is of the run's first sequence
             self._snap(view, geo, out, no_sink)
 
     def _snap(self, view: BlockView, geo: ConeGeometry, out: Tensor, no_sink: Tensor) -> None:

@@ -181,16 +181,17 @@ def plot_joint_distributions(
     joint: pd.DataFrame, title: str = "", max_points: int = 200_000
 ) -> Figure:
     sample = joint.sample(min(len(joint), max_points), random_state=0) if len(joint) else joint
-    fig, axes = plt.subplots(1, 2, figsize=(8, 3.4))
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
     for ax, col, label in ((axes[0], "vnorm", "‖ṽ_j‖"), (axes[1], "kappa", "κ = cos(o_i, ṽ_j)")):
         if len(sample):
-            ax.hist2d(
+            *_, image = ax.hist2d(
                 sample["alpha"],
                 sample[col],
                 bins=60,
                 cmap="magma",
                 norm=matplotlib.colors.LogNorm(),
             )
+            fig.colorbar(image, ax=ax, label="pairs per bin (log scale)")
         ax.set(xlabel="α_ij", ylabel=label)
     mean_k = float(sample["kappa"].mean()) if len(sample) else float("nan")
     fig.suptitle(f"Joint distributions {title} (mean κ = {mean_k:.3f})", fontsize=10)
