@@ -21,7 +21,6 @@ from contribution_weights.experiments.faithfulness import (
     FaithfulnessResult,
     faithfulness,
 )
-from contribution_weights.experiments.removal import token_logprobs
 from contribution_weights.interventions import (
     CLEAN,
     Removal,
@@ -29,6 +28,7 @@ from contribution_weights.interventions import (
     global_thresholds,
     removal_count,
     sink_mask,
+    token_logprobs,
     tracking_sinks,
 )
 from contribution_weights.measures.aggregates import token_scores
@@ -323,7 +323,7 @@ def test_smollm2_ihc_comprehensiveness_grows_with_rate(smollm2, shared_data):
 
 
 def test_rows_are_chunked_by_memory_and_halved_on_out_of_memory(monkeypatch):
-    from contribution_weights.experiments import removal
+    from contribution_weights import interventions as removal
 
     lm = tiny_model("llama")
     assert removal.auto_batch_size(lm, 40, 1) == 1
@@ -506,7 +506,7 @@ def test_token_scores_by_query_blocks_equal_the_brute_force_mean():
 def test_intervened_logprobs_takes_any_intervention_per_chunk():
     from contextlib import nullcontext
 
-    from contribution_weights.experiments.removal import intervened_logprobs, mean_nll
+    from contribution_weights.interventions import intervened_logprobs, mean_nll
 
     lm = tiny_model("llama")
     ids = _ids()

@@ -8,9 +8,22 @@ Quick start::
     trace["contribution"]                    # (layers, heads, T, T) float32
     trace.summary()
 
-Layout (arrows point one way): ``measures`` (pure maths) ← ``capture`` (getting
-internals out of a model, and interventions) ← ``tracing`` / experiments ← ``results``
-← ``presentation`` ← ``cli``.
+Layout: each layer imports only from the layers before it (checked, lazy imports inside
+functions included, by ``tests/test_layering.py``):
+
+1. ``measures`` (pure maths), ``families`` (model families as data), ``runs`` (run
+   folders), ``data`` (evaluation data), ``progress``;
+2. ``capture`` (getting internals out of a model), ``loading`` (models), ``results``
+   (the ``Trace`` container);
+3. ``interventions`` (every intervention, and running them as batched forwards),
+   ``inputs`` (encoding texts, resolving layers);
+4. ``tracing`` and ``experiments`` (faithfulness, downstream, geometry on one runner);
+5. ``presentation`` (figures, Markdown, the HTML report);
+6. ``cli``, then this package's ``__init__`` and ``__main__``.
+
+The one sanctioned exception: methods that hand a result to presentation
+(``Trace.to_html``, ``FaithfulnessResult.plot``, ``DownstreamResult.plot``) import it
+lazily, inside the method.
 """
 
 from . import data

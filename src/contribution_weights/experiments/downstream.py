@@ -22,13 +22,12 @@ import pandas as pd
 import torch
 
 from ..data import ChoiceItem
-from ..interventions import CLEAN, SINK_COSINE, Removal
+from ..interventions import CLEAN, DEFAULT_MEMORY_BYTES, SINK_COSINE, Removal, token_logprobs
 from ..loading import LoadedModel
 from ..measures.registry import resolve_measures
 from ..runs import fingerprint
 from .faithfulness import DEFAULT_MEASURES, DEFAULT_RATES, check_rates, check_sink_cosine
 from .options import Options, as_floats, option, split_names
-from .removal import DEFAULT_MEMORY_BYTES, token_logprobs
 from .result import ExperimentResult, read_csv, write_csv
 from .runner import Experiment, Phase, SkipUnit, run_experiment
 
@@ -55,7 +54,7 @@ def option_scores(
     removals: Sequence[Removal],
     *,
     protect_sinks: bool = True,
-    sink_threshold: float = SINK_COSINE,
+    sink_cosine: float = SINK_COSINE,
     batch_size: int | None = None,
     memory_bytes: int = DEFAULT_MEMORY_BYTES,
 ) -> torch.Tensor:
@@ -76,7 +75,7 @@ def option_scores(
         row_removals,
         eligible_len=p,
         protect_sinks=protect_sinks,
-        sink_threshold=sink_threshold,
+        sink_cosine=sink_cosine,
         batch_size=batch_size,
         memory_bytes=memory_bytes,
     )
@@ -234,7 +233,7 @@ class Downstream(Experiment[DownstreamResult]):
             raise SkipUnit(f"{length} tokens (prompt and longest option) > max_tokens")
         scores = option_scores(
             self.model, prompt, options, [CLEAN, *self.removals],
-            protect_sinks=o.protect_sinks, sink_threshold=o.sink_cosine,
+            protect_sinks=o.protect_sinks, sink_cosine=o.sink_cosine,
             batch_size=self.batch_size, memory_bytes=self.memory_bytes,
         )  # fmt: skip
         picks = pick(scores).tolist()

@@ -1,7 +1,7 @@
 """Faithfulness on language modelling (SPEC §4, paper §5 and Figure 3).
 
 For each sequence, every (measure, mode, rate) configuration plus one clean row run as
-one batched forward (:func:`~.removal.token_logprobs`); the score is the perplexity of
+one batched forward (:func:`~..interventions.token_logprobs`); the score is the perplexity of
 the sequence, and each configuration is reported as ΔPPL = PPL_removed − PPL_clean and
 ΔNLL against the clean row of the same pass. Per-sequence rows are appended to
 ``per_sequence.csv`` as each sequence finishes, so an interrupted run resumes where it
@@ -22,12 +22,21 @@ import pandas as pd
 from torch import Tensor
 
 from ..inputs import encode
-from ..interventions import CLEAN, MODES, SCOPES, SINK_COSINE, Removal, global_thresholds
+from ..interventions import (
+    CLEAN,
+    DEFAULT_MEMORY_BYTES,
+    MODES,
+    SCOPES,
+    SINK_COSINE,
+    Removal,
+    global_thresholds,
+    mean_nll,
+    token_logprobs,
+)
 from ..loading import LoadedModel
 from ..measures.registry import resolve_measures
 from ..runs import fingerprint
 from .options import Options, as_floats, option, split_names
-from .removal import DEFAULT_MEMORY_BYTES, mean_nll, token_logprobs
 from .result import ExperimentResult, read_csv, write_csv
 from .runner import Experiment, Phase, SkipUnit, run_experiment
 
@@ -142,7 +151,7 @@ def sequence_rows(
             ids.to(model.device),
             removals,
             protect_sinks=options.protect_sinks,
-            sink_threshold=options.sink_cosine,
+            sink_cosine=options.sink_cosine,
         )
     rows = [CLEAN, *removals]
     logp = token_logprobs(
@@ -151,7 +160,7 @@ def sequence_rows(
         rows,
         protect_sinks=options.protect_sinks,
         scope=options.scope,
-        sink_threshold=options.sink_cosine,
+        sink_cosine=options.sink_cosine,
         batch_size=batch_size,
         memory_bytes=memory_bytes,
     )

@@ -14,7 +14,7 @@
   sink's value set to 0 (o_i^(h) − α_i0 ṽ_0, the same layer inputs); counted for the
   low-norm outputs (the bottom ``low_quantile`` of ‖o_i^(h)‖ per head and sequence).
 * :func:`sink_scaling_nll` — perplexity when v_0 is multiplied by γ in the sink layers,
-  through :class:`SinkValueScale`, a capture intervention scaling attention column 0
+  through :class:`~..interventions.SinkValueScale`, a capture intervention scaling v_0
   (Σ_j α_ij v_j with v_0 → γ v_0 is the same as α_i0 → γ α_i0).
 """
 
@@ -30,9 +30,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..capture import LayerCall
+from ..interventions import DEFAULT_MEMORY_BYTES, SinkValueScale, intervened_logprobs, mean_nll
 from ..loading import LoadedModel
-from .removal import DEFAULT_MEMORY_BYTES, intervened_logprobs, mean_nll
 from .stats import BlockView, Stat
 from .streaming import Reservoir
 
@@ -266,21 +265,6 @@ class SemanticCone(Stat):
             )
 
 
-@dataclass
-class SinkValueScale:
-    """Intervention: attention column 0 times ``gammas[b]`` in ``layers`` (batch item b)."""
-
-    layers: frozenset[int]
-    gammas: Tensor  # (B,)
-
-    def column_scale(self, call: LayerCall) -> Tensor | None:
-        if call.layer_idx not in self.layers:
-            return None
-        scale = torch.ones(call.batch, call.num_heads, call.k_len, device=call.query.device)
-        scale[:, :, 0] = self.gammas.to(scale.device)[:, None]
-        return scale
-
-
 def sink_scaling_nll(
     model: LoadedModel,
     ids: Tensor,
@@ -292,7 +276,7 @@ def sink_scaling_nll(
 ) -> list[float]:
     """Mean NLL of one sequence for each γ (v_0 scaled by γ in ``layers``).
 
-    One batch row per γ, run by :func:`~.removal.intervened_logprobs` (chunked to fit
+    One batch row per γ, run by :func:`~..interventions.intervened_logprobs` (chunked to fit
     ``memory_bytes`` unless ``batch_size`` is given, halved on out-of-memory).
     """
     if ids.numel() < 2:
