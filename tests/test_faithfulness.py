@@ -529,3 +529,35 @@ def test_intervened_logprobs_takes_any_intervention_per_chunk():
         logp = torch.log_softmax(lm.model(input_ids=ids[None]).logits[0].double(), dim=-1)
     brute = -sum(float(logp[k, ids[k + 1]]) for k in range(t - 1)) / (t - 1)
     assert float(mean_nll(clean)[0]) == pytest.approx(brute, rel=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "gpt2"])
+def test_column_sum_token_scores_equal_the_full_measure_tensors(model_type, monkeypatch):
+    """The ranking's per-key column sums (attention, vw, vw_on, ihc) and the reuse of the
+    forward's probabilities give the scores, removals and NLLs of the generic path."""
+    from contribution_weights import capture, interventions
+
+    lm = tiny_model(model_type)
+    ids = _ids()
+    removals = [CLEAN, *(Removal(m, mode, 0.4) for m in ("attention", "vw", "vw_on", "ihc")
+                         for mode in ("comprehensiveness", "sufficiency"))]  # fmt: skip
+
+    def run():
+        probe = SequentialRemoval(removals, keep_history=True)
+        with torch.no_grad(), capturing(lm.model, intervention=probe):
+            logits = lm.model(input_ids=ids[None].expand(len(removals), -1)).logits
+        return probe.history, logits
+
+    fast, fast_logits = run()
+    monkeypatch.setattr(interventions, "COLUMN_SUMS", {})
+    monkeypatch.setattr(
+        capture.LayerCall,
+        "row_blocks",
+        lambda self: [slice(0, self.q_len // 2), slice(self.q_len // 2, self.q_len)],
+    )  # no shared probs
+    slow, slow_logits = run()
+    for layer, rec in slow.items():
+        torch.testing.assert_close(fast[layer].scores, rec.scores, rtol=1e-5, atol=1e-7,
+                                   equal_nan=True)  # fmt: skip
+        assert torch.equal(fast[layer].removed, rec.removed)
+    torch.testing.assert_close(fast_logits, slow_logits, rtol=1e-5, atol=1e-5)

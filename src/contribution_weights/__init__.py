@@ -29,8 +29,8 @@ lazily, inside the method.
 from . import data
 from .capture import CaptureError, CaptureSession, LayerCall, capturing
 from .experiments import geometry
-from .experiments.downstream import DownstreamResult, downstream
-from .experiments.faithfulness import FaithfulnessResult, faithfulness
+from .experiments.downstream import DownstreamOptions, DownstreamResult, downstream
+from .experiments.faithfulness import FaithfulnessOptions, FaithfulnessResult, faithfulness
 from .experiments.geometry import GeometryOptions, GeometryResult, run_geometry
 from .families import FamilySpec, UnsupportedModelError, register_family, supported_families
 from .inputs import InputError
@@ -44,7 +44,9 @@ __version__ = "0.1.0"
 __all__ = [
     "CaptureError",
     "CaptureSession",
+    "DownstreamOptions",
     "DownstreamResult",
+    "FaithfulnessOptions",
     "FaithfulnessResult",
     "FamilySpec",
     "GeometryOptions",

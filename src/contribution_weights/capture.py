@@ -71,6 +71,9 @@ class LayerCall:
     session: CaptureSession
     # the block being shown to observers: its probabilities and α @ v, (B, H, I, d_h)
     block: tuple[Tensor, Tensor] | None = None
+    # every query's probabilities (B, H, Tq, Tk), computed once before the intervention is
+    # asked for its scale when the layer fits one block; :meth:`probs` reads them from here
+    layer_probs: Tensor | None = None
 
     @property
     def batch(self) -> int:
@@ -110,6 +113,8 @@ class LayerCall:
 
         ``batch``: indices of the batch rows wanted (all when None); only those are computed.
         """
+        if self.layer_probs is not None:  # computed once for the layer (intervention path)
+            return _take_rows(self.layer_probs[:, :, rows], batch)
         query, key = self.query[:, :, rows], self.key
         if batch is not None:
             query, key = query.index_select(0, batch), key.index_select(0, batch)
@@ -173,6 +178,17 @@ class LayerCall:
         )
 
 
+def _take_rows(x: Tensor, batch: Tensor | None) -> Tensor:
+    """Batch rows ``batch`` of ``x`` (a view when they are consecutive, else a copy)."""
+    if batch is None:
+        return x
+    n = int(batch.numel())
+    first = int(batch[0]) if n else 0
+    if n and bool((batch == torch.arange(first, first + n, device=batch.device)).all()):
+        return x.narrow(0, first, n)
+    return x.index_select(0, batch.to(x.device))
+
+
 class Observer(Protocol):
     def observe(self, call: LayerCall, rows: slice, probs: Tensor) -> None: ...
 
@@ -210,19 +226,29 @@ class CaptureSession:
 
     def attend(self, call: LayerCall) -> Tensor:
         self.layers_seen.append(call.layer_idx)
+        blocks = call.row_blocks()
+        if self.intervention is not None and len(blocks) == 1:
+            # the intervention ranks tokens on this layer's probabilities: compute them once
+            # and let it read them (LayerCall.probs) instead of recomputing them
+            call.layer_probs = call.probs(blocks[0])
         scale = self.intervention.column_scale(call) if self.intervention is not None else None
         values = call._expanded(call.value)
+        if scale is not None:
+            # α·diag(s)·V = α·(s ⊙ V): scale the values (T·d) rather than the probabilities (T²)
+            values = values * scale[:, :, :, None].to(values.dtype)
         outputs = []
-        for rows in call.row_blocks():
-            probs = call.probs(rows)
-            if scale is not None:
-                probs = probs * scale[:, :, None, :].to(probs.dtype)
+        for rows in blocks:
+            probs = call.layer_probs if call.layer_probs is not None else call.probs(rows)
             block = torch.matmul(probs, values)
-            call.block = (probs, block)
-            for observer in self.observers:
-                observer.observe(call, rows, probs)
+            if self.observers:
+                if scale is not None:  # observers see the probabilities actually used
+                    probs = probs * scale[:, :, None, :].to(probs.dtype)
+                call.block = (probs, block)
+                for observer in self.observers:
+                    observer.observe(call, rows, probs)
             outputs.append(block)
         call.block = None
+        call.layer_probs = None
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
         return out.transpose(1, 2).contiguous()
 

@@ -57,6 +57,7 @@ from .capture import Intervention, LayerCall, capturing, check_all_layers_seen
 from .families import family_for
 from .loading import LoadedModel
 from .measures.aggregates import later_query_mean, later_query_sums
+from .measures.layer import LayerTensors
 from .measures.registry import get_measure
 
 MODES = ("comprehensiveness", "sufficiency")
@@ -86,6 +87,37 @@ class Removal:
 
 
 CLEAN = Removal(None)
+
+
+# ---- token scores from column sums -------------------------------------------------------
+# Σ_i w_ij over a block of queries, for measures whose sum factorises per key, so that no
+# (n, H, I, T) measure tensor or masked copy is built. Each equals
+# later_query_sums(lt.masked(measure(lt))) to float rounding where α is 0 outside the mask.
+def _attention_sums(lt: LayerTensors) -> Tensor:
+    return lt.probs.sum(-2)  # Σ_i α_ij
+
+
+def _vw_sums(lt: LayerTensors) -> Tensor:
+    return lt.value_norm * lt.probs.sum(-2)  # ‖ṽ_j‖ Σ_i α_ij
+
+
+def _vw_on_sums(lt: LayerTensors) -> Tensor:
+    # ‖ṽ_j‖ Σ_i α_ij / ‖o_i‖ = ‖ṽ_j‖ · ((1/‖o‖)ᵀ α)_j
+    return lt.value_norm * torch.einsum("bi,bhit->bht", lt.inv_output_norm, lt.probs)
+
+
+def _ihc_sums(lt: LayerTensors) -> Tensor:
+    # Σ_i |α_ij ⟨o_i, ṽ_j⟩| / ‖o_i‖²: one elementwise |·| pass, then a weighted column sum
+    dots = (lt.probs * lt.output_dot_values).abs_()
+    return torch.einsum("bi,bhit->bht", lt.inv_output_norm2, dots)
+
+
+COLUMN_SUMS: dict[str, Callable[[LayerTensors], Tensor]] = {
+    "attention": _attention_sums,
+    "vw": _vw_sums,
+    "vw_on": _vw_on_sums,
+    "ihc": _ihc_sums,
+}
 #: (n, H, I, Tk) tensors the token-score maths holds at once, for sizing query blocks
 _LIVE_BLOCKS = 6
 
@@ -217,11 +249,17 @@ class SequentialRemoval:
         per_query = max(1, len(rows) * h * t * (torch.finfo(dtype).bits // 8) * _LIVE_BLOCKS)
         step = max(1, self.block_bytes // per_query)
         compute = get_measure(measure).compute
+        # column sums need α_ij = 0 wherever query i may not see key j (j > i included),
+        # which the eager mask guarantees; without a mask the generic path masks explicitly
+        column_sums = COLUMN_SUMS.get(measure) if call.attention_mask is not None else None
         for start in range(0, limit, step):
             block = slice(start, min(limit, start + step))
             probs = call.probs(block, idx)  # only this measure's batch rows
             lt = call.layer_tensors(block, probs, dtype, batch=idx)
-            total += later_query_sums(lt.masked(compute(lt)), start)
+            if column_sums is not None:
+                total += column_sums(lt)
+            else:
+                total += later_query_sums(lt.masked(compute(lt)), start)
         return later_query_mean(total, limit)
 
     def column_scale(self, call: LayerCall) -> Tensor | None:
