@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pandas as pd
 import pytest
 from tiny_models import tiny_model
 
@@ -230,7 +231,6 @@ def test_accumulators_split_over_sequences_merge_to_the_one_pass_tables():
     assert merged.units == list(range(len(texts))) and b.sequences == len(texts)
     _close(b.to_json(), a.to_json())
     assert a.joint is not None and b.joint is not None and len(a.joint) == 60  # cap reached
-    import pandas as pd
 
     pd.testing.assert_frame_equal(b.joint, a.joint)  # the same sample, in the same order
     for key in a.norm_points or {}:
@@ -261,3 +261,55 @@ def test_joint_distribution_plot_has_a_colourbar_per_panel():
     fig = plot_joint_distributions(res.joint)
     colourbars = [ax for ax in fig.axes if ax.get_label() == "<colorbar>"]
     assert len(colourbars) == 2 and "log scale" in colourbars[0].get_ylabel()
+
+
+def test_a_new_analysis_is_one_registered_class(tmp_path):
+    """Statistics, tables, JSON, figure and Markdown of an analysis come from its class."""
+    import matplotlib.pyplot as plt
+
+    from contribution_weights.experiments import geometry_result as gr
+    from contribution_weights.experiments.stats import LayerMeans
+
+    class MeanValueNorm(LayerMeans):
+        columns = ("value_norm",)
+
+        def observe(self, view):
+            self._seq[view.layer, 0] += float(view.value_norm.mean()) * view.alpha.shape[1]
+            self._seq_n[view.layer, 0] += view.alpha.shape[1]
+
+    class ValueNorm(gr.Analysis):
+        name = "value_norm"
+
+        def stats(self, num_layers, num_heads, options):
+            return {"value_norm": MeanValueNorm(num_layers)}
+
+        def build(self, ctx, result):
+            stat = ctx.stats["value_norm"]
+            result.extra["value_norm"] = pd.DataFrame(stat.by_layer(), ctx.layers, ["value_norm"])
+
+        def to_json(self, result):
+            return {"value_norm": result.extra["value_norm"]["value_norm"].tolist()}
+
+        def figure(self, result, title=""):
+            fig, ax = plt.subplots()
+            result.extra["value_norm"].plot(ax=ax)
+            return fig
+
+        def markdown(self, result):
+            return ["## Mean value norm", "", result.extra["value_norm"].to_string(), ""]
+
+    gr.register_analysis(ValueNorm())
+    try:
+        lm = tiny_model("llama")
+        res = geometry_run.run_geometry(lm, TEXTS, tmp_path, "value_norm,entropy", OPTS,
+                                        progress=False)  # fmt: skip
+        tables = json.loads((tmp_path / "tables.json").read_text())
+        assert tuple(tables)[: len(JSON_KEYS)] == JSON_KEYS and tables["entropy"] is not None
+        assert len(tables["value_norm"]) == lm.num_layers and tables["regression_r2"] is None
+        assert all(v > 0 for v in tables["value_norm"])
+        assert [p.name for p in write_figures(res, tmp_path)] == ["geometry-value_norm.png"]
+        assert "## Mean value norm" in write_markdown(res, tmp_path / "tables.md", "tiny")
+        with pytest.raises(ValueError, match=r"valid: .*value_norm"):
+            geometry_run.resolve_analyses("nope")
+    finally:
+        gr._REGISTRY.pop("value_norm")

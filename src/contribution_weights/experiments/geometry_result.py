@@ -1,7 +1,10 @@
-"""The result of the geometry analyses: tidy tables, and their JSON form (``tables.json``).
+"""The geometry analyses: their options, their registry, and their result.
 
-:class:`GeometryResult` holds one pandas table (or small dataclass) per analysis; fields
-of analyses that were not run are None. :meth:`GeometryResult.to_json` gives the dict
+Each analysis is one :class:`Analysis` registered by name (:func:`register_analysis`):
+the running statistics it needs, how they become its tables, its ``tables.json``
+entries, its figure and its Markdown section. :class:`GeometryResult` holds one pandas
+table (or small dataclass) per built-in analysis (``extra`` for others); fields of
+analyses that were not run are None. :meth:`GeometryResult.to_json` gives the dict
 written to ``tables.json`` with exactly the keys ``regression_r2``,
 ``log_regression_r2``, ``correlations``, ``first_token_weight``, ``entropy``,
 ``sink_alignment``, ``sink_scaling``, ``norm_fit``, ``semantic_cone``.
@@ -40,17 +43,6 @@ from .stats import (
     Stat,
 )
 
-ANALYSES = (
-    "regression",
-    "correlations",
-    "first_token_weight",
-    "entropy",
-    "sink_alignment",
-    "sink_scaling",
-    "norm_fit",
-    "semantic_cone",
-    "joint_distributions",
-)
 DEFAULT_GAMMAS = (1.0, 0.8, 0.6, 0.4, 0.2, 0.0)
 SINK_LAYER_THRESHOLD = 0.5
 STATE_FILE = "state.pt"
@@ -121,52 +113,6 @@ class GeometryOptions(Options):
             raise ValueError("low_quantile must lie in (0, 1) and cone_coverage in (0, 1]")
 
 
-def resolve_analyses(only: str | Iterable[str] | None) -> list[str]:
-    """``None`` (all), a comma-separated string, or names; checked against :data:`ANALYSES`."""
-    if only is None:
-        return list(ANALYSES)
-    names = [n.strip() for n in only.split(",")] if isinstance(only, str) else list(only)
-    aliases = {
-        "regression_r2": "regression",
-        "log_regression_r2": "regression",
-        "joint": "joint_distributions",
-    }
-    out: list[str] = []
-    for name in filter(None, names):
-        name = aliases.get(name, name)
-        if name not in ANALYSES:
-            raise ValueError(f"unknown analysis {name!r}; valid: {', '.join(ANALYSES)}")
-        if name not in out:
-            out.append(name)
-    if not out:
-        raise ValueError(f"no analysis named; valid: {', '.join(ANALYSES)}")
-    return out
-
-
-def make_stats(
-    analyses: Sequence[str], num_layers: int, num_heads: int, options: GeometryOptions
-) -> dict[str, Stat]:
-    """The running statistics the analyses need (``sink_rate`` always)."""
-    o, n, h = options, num_layers, num_heads
-    want = set(analyses)
-    stats: dict[str, Stat] = {"sink_rate": SinkRate(n)}
-    if want & {"regression", "joint_distributions"}:
-        stats["points"] = ComponentPoints(n, o.cap, o.seed)
-    if "correlations" in want:
-        stats["correlations"] = LogCorrelations(n)
-    if "first_token_weight" in want:
-        stats["first_token_weight"] = FirstTokenWeight(n)
-    if "entropy" in want:
-        stats["entropy"] = Entropy(n)
-    if "sink_alignment" in want:
-        stats["sink_alignment"] = SinkAlignment(n)
-    if "norm_fit" in want:
-        stats["norm_fit"] = NormFit(n, h)
-    if "semantic_cone" in want:
-        stats["semantic_cone"] = SemanticCone(n, h, o.low_quantile, o.cone_coverage)
-    return stats
-
-
 JSON_KEYS = (
     "regression_r2",
     "log_regression_r2",
@@ -215,6 +161,8 @@ class GeometryResult:
     semantic_cone: pd.DataFrame | None = None  # per layer fractions
     cone_snapshot: dict[str, Any] | None = None
     joint: pd.DataFrame | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # tables of registered analyses
+    analyses: list[str] = field(default_factory=list)  # the analyses that ran
     # the run: its config and run_info, tokens per text, and what rebuilds the tables
     config: dict[str, Any] = field(default_factory=dict)
     run_info: dict[str, Any] = field(default_factory=dict)
@@ -307,38 +255,14 @@ class GeometryResult:
         return {m: _num(self.first_token_weight_by_layer[m].mean()) for m in WEIGHT_MEASURES}
 
     def to_json(self) -> dict[str, Any]:
+        """The ``tables.json`` dict: :data:`JSON_KEYS` (None for analyses not run), then
+        the keys of any other registered analysis that ran."""
         out: dict[str, Any] = {key: None for key in JSON_KEYS}
-        if self.regression_r2 is not None and self.log_regression_r2 is not None:
-            out["regression_r2"] = _nested(self.regression_r2)
-            out["log_regression_r2"] = _nested(self.log_regression_r2)
-        if self.correlations_by_group is not None:
-            out["correlations"] = {g: _nested(t) for g, t in self.correlations_by_group.items()}
-        if self.first_token_weight is not None:
-            out["first_token_weight"] = self.first_token_weight
-        if self.entropy is not None:
-            out["entropy"] = {
-                row: {m: _num(self.entropy.loc[row, m]) for m in WEIGHT_MEASURES}
-                for row in ("all", "excluding_first")
-            }
-        if self.sink_alignment is not None:
-            t = self.sink_alignment
-            out["sink_alignment"] = {
-                "mean": {c: _num(t[c].mean()) for c in ("sink_tail", "tail_tail")},
-                "by_layer": _records(t.reset_index()),
-            }
-        if self.sink_scaling is not None:
-            out["sink_scaling"] = self.sink_scaling.to_json()
-        if self.norm_fit is not None:
-            out["norm_fit"] = {
-                "summary": norm_fit_summary(self.norm_fit),
-                "heads": _records(self.norm_fit),
-            }
-        if self.semantic_cone is not None:
-            c = self.semantic_cone
-            out["semantic_cone"] = {
-                "overall": _records(c[c.index == "all"])[0] if "all" in c.index else None,
-                "by_layer": _records(c[c.index != "all"].reset_index()),
-            }
+        for name in self.analyses or analysis_names():
+            analysis = get_analysis(name)
+            for key in analysis.json_entries():
+                out.setdefault(key, None)
+            out.update(analysis.to_json(self))
         return out
 
 
@@ -371,94 +295,6 @@ def _nested(t: pd.DataFrame) -> dict[str, dict[str, Any]]:
     return {str(c): {str(i): _num(t.loc[i, c]) for i in t.index} for c in t.columns}
 
 
-def build_result(
-    stats: dict[str, Stat],
-    analyses: Sequence[str],
-    options: GeometryOptions,
-    num_layers: int,
-    sequences: int,
-    sink_layers: list[int] | None = None,
-    scaling_nll: list[list[float]] | None = None,
-    scaling_skipped: str | None = None,
-) -> GeometryResult:
-    """Turn running statistics (and the sink-scaling NLLs per sequence) into tables."""
-    s, o, layers = stats, options, pd.RangeIndex(num_layers, name="layer")
-    rate = s["sink_rate"]
-    assert isinstance(rate, SinkRate)
-    res = GeometryResult(
-        sequences, num_layers, pd.DataFrame(rate.by_layer(), layers, ["sink_rate"])
-    )
-    pts = s.get("points")
-    if isinstance(pts, ComponentPoints):
-        groups = {g: pts.group(g) for g in GROUPS}
-        res.points = {g: len(cols["alpha"]) for g, cols in groups.items()}
-        if "regression" in analyses:
-            lin, log = regression_tables(groups, o.folds, o.seed)
-            res.regression_r2 = pd.DataFrame(lin).rename_axis("features")
-            res.log_regression_r2 = pd.DataFrame(log).rename_axis("features")
-        if "joint_distributions" in analyses:
-            res.joint = pd.DataFrame({k: v for k, v in groups["all"].items() if k != "c"})
-    corr = s.get("correlations")
-    if isinstance(corr, LogCorrelations):
-        res.correlations_by_group = {
-            g: pd.DataFrame(m.correlation(), LOG_NAMES, LOG_NAMES).assign(n=m.n)
-            for g, m in corr.moments.items()
-        }
-        res.correlations = res.correlations_by_group["all"].drop(columns="n")
-    ftw = s.get("first_token_weight")
-    if isinstance(ftw, FirstTokenWeight):
-        res.first_token_weight_by_layer = pd.DataFrame(ftw.by_layer(), layers, list(ftw.columns))
-    ent = s.get("entropy")
-    if isinstance(ent, Entropy):
-        by_layer = pd.DataFrame(ent.by_layer(), layers, list(ent.columns))
-        res.entropy_by_layer = by_layer
-        means = by_layer.mean()
-        res.entropy = pd.DataFrame(
-            {m: [means[f"{m}:all"], means[f"{m}:excluding_first"]] for m in WEIGHT_MEASURES},
-            index=["all", "excluding_first"],
-        )
-    align = s.get("sink_alignment")
-    if isinstance(align, SinkAlignment):
-        res.sink_alignment = pd.DataFrame(align.by_layer(), layers, list(align.columns))
-    if "sink_scaling" in analyses and scaling_skipped:
-        empty = pd.DataFrame(columns=[*SCALING_COLUMNS])
-        res.sink_scaling = SinkScalingResult([], empty, scaling_skipped)
-    elif "sink_scaling" in analyses and scaling_nll:  # NaN rows: too short
-        res.sink_scaling = _scaling(sink_layers or [], list(o.gammas), np.array(scaling_nll))
-    fit = s.get("norm_fit")
-    if isinstance(fit, NormFit):
-        res.norm_fit = pd.DataFrame(fit.fit())
-        res.norm_points = {
-            (i, h): np.column_stack(list(r.to_numpy().values()))  # in key order
-            for i, row in enumerate(fit.points)
-            for h, r in enumerate(row)
-            if len(r)
-        }
-    cone = s.get("semantic_cone")
-    if isinstance(cone, SemanticCone):
-        cols = [
-            "low_inside_with_sink",
-            "low_inside_without_sink",
-            "all_inside_with_sink",
-            "all_inside_without_sink",
-        ]
-        table = pd.DataFrame(cone.fractions(), pd.Index(range(num_layers), name="layer"), cols)
-        total = cone.counts.sum(0)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            overall = [
-                total[1] / total[0],
-                total[2] / total[0],
-                total[4] / total[3],
-                total[5] / total[3],
-            ]
-        table.index = table.index.astype(object)
-        table.loc["all"] = overall
-        table["low_norm_outputs"] = [int(x) for x in [*cone.counts[:, 0], total[0]]]
-        res.semantic_cone = table
-        res.cone_snapshot = dict(cone.snapshot)
-    return res
-
-
 def _scaling(layers: list[int], gammas: list[float], nll: np.ndarray) -> SinkScalingResult:
     """``nll (n_sequences, n_gammas)`` → mean ± standard error of PPL and NLL per γ.
 
@@ -485,3 +321,434 @@ def _scaling(layers: list[int], gammas: list[float], nll: np.ndarray) -> SinkSca
         }
     )
     return SinkScalingResult(layers, table)
+
+
+# ---- the analyses, registered by name -----------------------------------------------------
+@dataclass
+class TableContext:
+    """What an analysis builds its tables from: the run's statistics and its scaling passes."""
+
+    stats: dict[str, Stat]
+    options: GeometryOptions
+    num_layers: int
+    sink_layers: list[int] | None = None
+    scaling_nll: list[list[float]] | None = None
+    scaling_skipped: str | None = None
+    groups: dict[str, dict[str, np.ndarray]] | None = None  # the sampled points per group
+
+    @property
+    def layers(self) -> pd.RangeIndex:
+        return pd.RangeIndex(self.num_layers, name="layer")
+
+
+class Analysis:
+    """One geometry analysis, everything about it in one class.
+
+    ``stats`` names the running statistics it needs (shared by name: two analyses asking
+    for ``"points"`` share one sample); ``build`` turns them into its tables on the
+    :class:`GeometryResult` (a built-in field, or ``result.extra[name]``); ``to_json``
+    gives its entries of ``tables.json``; ``figure`` its matplotlib figure (or None);
+    ``markdown`` its section of ``tables.md``. Register an instance with
+    :func:`register_analysis` and ``cw geometry --only NAME`` runs it.
+    """
+
+    name: str = ""
+    aliases: tuple[str, ...] = ()
+    json_keys: tuple[str, ...] = ()  # default (name,)
+
+    def stats(self, num_layers: int, num_heads: int, options: GeometryOptions) -> dict[str, Stat]:
+        return {}
+
+    def build(self, ctx: TableContext, result: GeometryResult) -> None:
+        """Fill ``result`` with this analysis' tables."""
+
+    def to_json(self, result: GeometryResult) -> dict[str, Any]:
+        return {}
+
+    def figure(self, result: GeometryResult, title: str = "") -> Any:
+        return None
+
+    def markdown(self, result: GeometryResult) -> list[str]:
+        return []
+
+    def json_entries(self) -> tuple[str, ...]:
+        return self.json_keys or (self.name,)
+
+
+_REGISTRY: dict[str, Analysis] = {}
+
+
+def register_analysis(analysis: Analysis) -> Analysis:
+    """Add (or replace) an analysis by its name; returns it."""
+    if not analysis.name:
+        raise ValueError("an analysis needs a name")
+    _REGISTRY[analysis.name] = analysis
+    return analysis
+
+
+def get_analysis(name: str) -> Analysis:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown analysis {name!r}; valid: {', '.join(_REGISTRY)}") from None
+
+
+def analysis_names() -> list[str]:
+    """Every registered analysis, built-in ones first, in order."""
+    return list(_REGISTRY)
+
+
+def resolve_analyses(only: str | Iterable[str] | None) -> list[str]:
+    """``None`` (all), a comma-separated string, or names (or aliases) of registered analyses."""
+    if only is None:
+        return analysis_names()
+    names = [n.strip() for n in only.split(",")] if isinstance(only, str) else list(only)
+    aliases = {alias: a.name for a in _REGISTRY.values() for alias in a.aliases}
+    out: list[str] = []
+    for name in filter(None, names):
+        name = get_analysis(aliases.get(name, name)).name
+        if name not in out:
+            out.append(name)
+    if not out:
+        raise ValueError(f"no analysis named; valid: {', '.join(_REGISTRY)}")
+    return out
+
+
+def make_stats(
+    analyses: Sequence[str], num_layers: int, num_heads: int, options: GeometryOptions
+) -> dict[str, Stat]:
+    """The running statistics the analyses need (``sink_rate`` always: it finds sink layers)."""
+    stats: dict[str, Stat] = {"sink_rate": SinkRate(num_layers)}
+    for name in analyses:
+        for key, stat in get_analysis(name).stats(num_layers, num_heads, options).items():
+            stats.setdefault(key, stat)
+    return stats
+
+
+def build_result(
+    stats: dict[str, Stat],
+    analyses: Sequence[str],
+    options: GeometryOptions,
+    num_layers: int,
+    sequences: int,
+    sink_layers: list[int] | None = None,
+    scaling_nll: list[list[float]] | None = None,
+    scaling_skipped: str | None = None,
+) -> GeometryResult:
+    """Turn running statistics (and the sink-scaling NLLs per sequence) into tables."""
+    ctx = TableContext(stats, options, num_layers, sink_layers, scaling_nll, scaling_skipped)
+    rate = stats["sink_rate"]
+    assert isinstance(rate, SinkRate)
+    res = GeometryResult(
+        sequences, num_layers, pd.DataFrame(rate.by_layer(), ctx.layers, ["sink_rate"])
+    )
+    res.analyses = list(analyses)
+    pts = stats.get("points")
+    if isinstance(pts, ComponentPoints):  # the sample's columns, read once for every analysis
+        ctx.groups = {g: pts.group(g) for g in GROUPS}
+        res.points = {g: len(cols["alpha"]) for g, cols in ctx.groups.items()}
+    for name in analyses:
+        get_analysis(name).build(ctx, res)
+    return res
+
+
+def _figure(name: str) -> Any:
+    """A plotting function of the presentation layer (imported when a figure is drawn)."""
+    from ..presentation import geometry_plots
+
+    return getattr(geometry_plots, name)
+
+
+def _points_stat(n: int, h: int, o: GeometryOptions) -> dict[str, Stat]:
+    return {"points": ComponentPoints(n, o.cap, o.seed)}
+
+
+class Regression(Analysis):
+    """Tables 1 and 3: held-out R² of ĉ on its components, linear and in logs."""
+
+    name = "regression"
+    aliases = ("regression_r2", "log_regression_r2")
+    json_keys = ("regression_r2", "log_regression_r2")
+
+    def stats(self, num_layers: int, num_heads: int, options: GeometryOptions) -> dict[str, Stat]:
+        return _points_stat(num_layers, num_heads, options)
+
+    def build(self, ctx: TableContext, result: GeometryResult) -> None:
+        assert ctx.groups is not None
+        lin, log = regression_tables(ctx.groups, ctx.options.folds, ctx.options.seed)
+        result.regression_r2 = pd.DataFrame(lin).rename_axis("features")
+        result.log_regression_r2 = pd.DataFrame(log).rename_axis("features")
+
+    def to_json(self, result: GeometryResult) -> dict[str, Any]:
+        if result.regression_r2 is None or result.log_regression_r2 is None:
+            return {}
+        return {
+            "regression_r2": _nested(result.regression_r2),
+            "log_regression_r2": _nested(result.log_regression_r2),
+        }
+
+
+class Correlations(Analysis):
+    """Table 2: Pearson correlations of log α, log r, log|κ| (exact, every valid pair)."""
+
+    name = "correlations"
+
+    def stats(self, num_layers: int, num_heads: int, options: GeometryOptions) -> dict[str, Stat]:
+        return {"correlations": LogCorrelations(num_layers)}
+
+    def build(self, ctx: TableContext, result: GeometryResult) -> None:
+        corr = ctx.stats["correlations"]
+        assert isinstance(corr, LogCorrelations)
+        result.correlations_by_group = {
+            g: pd.DataFrame(m.correlation(), LOG_NAMES, LOG_NAMES).assign(n=m.n)
+            for g, m in corr.moments.items()
+        }
+        result.correlations = result.correlations_by_group["all"].drop(columns="n")
+
+    def to_json(self, result: GeometryResult) -> dict[str, Any]:
+        if result.correlations_by_group is None:
+            return {}
+        return {"correlations": {g: _nested(t) for g, t in result.correlations_by_group.items()}}
+
+
+class FirstTokenWeightAnalysis(Analysis):
+    """Table 4: the first-token weight per layer and its mean over layers."""
+
+    name = "first_token_weight"
+
+    def stats(self, num_layers: int, num_heads: int, options: GeometryOptions) -> dict[str, Stat]:
+        return {"first_token_weight": FirstTokenWeight(num_layers)}
+
+    def build(self, ctx: TableContext, result: GeometryResult) -> None:
+        ftw = ctx.stats["first_token_weight"]
+        assert isinstance(ftw, FirstTokenWeight)
+        result.first_token_weight_by_layer = pd.DataFrame(
+            ftw.by_layer(), ctx.layers, list(ftw.columns)
+        )
+
+    def to_json(self, result: GeometryResult) -> dict[str, Any]:
+        return (
+            {}
+            if result.first_token_weight is None
+            else {"first_token_weight": result.first_token_weight}
+        )
+
+    def figure(self, result: GeometryResult, title: str = "") -> Any:
+        if result.first_token_weight_by_layer is None:
+            return None
+        return _figure("plot_first_token_weight")(result.first_token_weight_by_layer, title)
+
+
+class EntropyAnalysis(Analysis):
+    """Table 5: entropy of each weight measure, with and without token 0."""
+
+    name = "entropy"
+
+    def stats(self, num_layers: int, num_heads: int, options: GeometryOptions) -> dict[str, Stat]:
+        return {"entropy": Entropy(num_layers)}
+
+    def build(self, ctx: TableContext, result: GeometryResult) -> None:
+        ent = ctx.stats["entropy"]
+        assert isinstance(ent, Entropy)
+        by_layer = pd.DataFrame(ent.by_layer(), ctx.layers, list(ent.columns))
+        result.entropy_by_layer = by_layer
+        means = by_layer.mean()
+        result.entropy = pd.DataFrame(
+            {m: [means[f"{m}:all"], means[f"{m}:excluding_first"]] for m in WEIGHT_MEASURES},
+            index=["all", "excluding_first"],
+        )
+
+    def to_json(self, result: GeometryResult) -> dict[str, Any]:
+        if result.entropy is None:
+            return {}
+        t = result.entropy
+        return {
+            "entropy": {
+                row: {m: _num(t.loc[row, m]) for m in WEIGHT_MEASURES}
+                for row in ("all", "excluding_first")
+            }
+        }
+
+
+class SinkAlignmentAnalysis(Analysis):
+    """Figure 5: per layer, mean cos(ṽ_0, ṽ_j) and cos(ṽ_i, ṽ_j)."""
+
+    name = "sink_alignment"
+
+    def stats(self, num_layers: int, num_heads: int, options: GeometryOptions) -> dict[str, Stat]:
+        return {"sink_alignment": SinkAlignment(num_layers)}
+
+    def build(self, ctx: TableContext, result: GeometryResult) -> None:
+        align = ctx.stats["sink_alignment"]
+        assert isinstance(align, SinkAlignment)
+        result.sink_alignment = pd.DataFrame(align.by_layer(), ctx.layers, list(align.columns))
+
+    def to_json(self, result: GeometryResult) -> dict[str, Any]:
+        t = result.sink_alignment
+        if t is None:
+            return {}
+        return {
+            "sink_alignment": {
+                "mean": {c: _num(t[c].mean()) for c in ("sink_tail", "tail_tail")},
+                "by_layer": _records(t.reset_index()),
+            }
+        }
+
+    def figure(self, result: GeometryResult, title: str = "") -> Any:
+        if result.sink_alignment is None:
+            return None
+        return _figure("plot_sink_alignment")(result.sink_alignment, title)
+
+
+class SinkScaling(Analysis):
+    """Figure 6c: perplexity with v_0 scaled by γ in the sink layers (its own passes)."""
+
+    name = "sink_scaling"
+
+    def build(self, ctx: TableContext, result: GeometryResult) -> None:
+        if ctx.scaling_skipped:
+            empty = pd.DataFrame(columns=[*SCALING_COLUMNS])
+            result.sink_scaling = SinkScalingResult([], empty, ctx.scaling_skipped)
+        elif ctx.scaling_nll:  # NaN rows: too short
+            result.sink_scaling = _scaling(
+                ctx.sink_layers or [], list(ctx.options.gammas), np.array(ctx.scaling_nll)
+            )
+
+    def to_json(self, result: GeometryResult) -> dict[str, Any]:
+        return (
+            {} if result.sink_scaling is None else {"sink_scaling": result.sink_scaling.to_json()}
+        )
+
+    def figure(self, result: GeometryResult, title: str = "") -> Any:
+        s = result.sink_scaling
+        if s is None or s.skipped:
+            return None
+        return _figure("plot_sink_scaling")(s.table, s.layers, title)
+
+
+class NormFitAnalysis(Analysis):
+    """§6.2: per head, the fit of ‖o‖² on the sink attention."""
+
+    name = "norm_fit"
+
+    def stats(self, num_layers: int, num_heads: int, options: GeometryOptions) -> dict[str, Stat]:
+        return {"norm_fit": NormFit(num_layers, num_heads)}
+
+    def build(self, ctx: TableContext, result: GeometryResult) -> None:
+        fit = ctx.stats["norm_fit"]
+        assert isinstance(fit, NormFit)
+        result.norm_fit = pd.DataFrame(fit.fit())
+        result.norm_points = {
+            (i, h): np.column_stack(list(r.to_numpy().values()))  # in key order
+            for i, row in enumerate(fit.points)
+            for h, r in enumerate(row)
+            if len(r)
+        }
+
+    def to_json(self, result: GeometryResult) -> dict[str, Any]:
+        if result.norm_fit is None:
+            return {}
+        return {
+            "norm_fit": {
+                "summary": norm_fit_summary(result.norm_fit),
+                "heads": _records(result.norm_fit),
+            }
+        }
+
+    def figure(self, result: GeometryResult, title: str = "") -> Any:
+        if result.norm_fit is None or not result.norm_points or result.norm_fit.empty:
+            return None
+        return _figure("plot_norm_fit")(result.norm_fit, result.norm_points, title)
+
+
+class SemanticConeAnalysis(Analysis):
+    """Figure 6a/b: low-norm head outputs inside the 90% cone, with and without the sink."""
+
+    name = "semantic_cone"
+
+    def stats(self, num_layers: int, num_heads: int, options: GeometryOptions) -> dict[str, Stat]:
+        return {
+            "semantic_cone": SemanticCone(
+                num_layers, num_heads, options.low_quantile, options.cone_coverage
+            )
+        }
+
+    def build(self, ctx: TableContext, result: GeometryResult) -> None:
+        cone = ctx.stats["semantic_cone"]
+        assert isinstance(cone, SemanticCone)
+        cols = [
+            "low_inside_with_sink",
+            "low_inside_without_sink",
+            "all_inside_with_sink",
+            "all_inside_without_sink",
+        ]
+        table = pd.DataFrame(cone.fractions(), pd.Index(range(ctx.num_layers), name="layer"), cols)
+        total = cone.counts.sum(0)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            overall = [
+                total[1] / total[0],
+                total[2] / total[0],
+                total[4] / total[3],
+                total[5] / total[3],
+            ]
+        table.index = table.index.astype(object)
+        table.loc["all"] = overall
+        table["low_norm_outputs"] = [int(x) for x in [*cone.counts[:, 0], total[0]]]
+        result.semantic_cone = table
+        result.cone_snapshot = dict(cone.snapshot)
+
+    def to_json(self, result: GeometryResult) -> dict[str, Any]:
+        c = result.semantic_cone
+        if c is None:
+            return {}
+        return {
+            "semantic_cone": {
+                "overall": _records(c[c.index == "all"])[0] if "all" in c.index else None,
+                "by_layer": _records(c[c.index != "all"].reset_index()),
+            }
+        }
+
+    def figure(self, result: GeometryResult, title: str = "") -> Any:
+        if not result.cone_snapshot:
+            return None
+        return _figure("plot_semantic_cone")(result.cone_snapshot, title=title)
+
+
+class JointDistributions(Analysis):
+    """Figure 7: the sampled (α, ‖ṽ‖, κ) pairs."""
+
+    name = "joint_distributions"
+    aliases = ("joint",)
+
+    def json_entries(self) -> tuple[str, ...]:
+        return ()  # a figure only: nothing in tables.json
+
+    def stats(self, num_layers: int, num_heads: int, options: GeometryOptions) -> dict[str, Stat]:
+        return _points_stat(num_layers, num_heads, options)
+
+    def build(self, ctx: TableContext, result: GeometryResult) -> None:
+        assert ctx.groups is not None
+        result.joint = pd.DataFrame({k: v for k, v in ctx.groups["all"].items() if k != "c"})
+
+    def figure(self, result: GeometryResult, title: str = "") -> Any:
+        if result.joint is None:
+            return None
+        return _figure("plot_joint_distributions")(result.joint, title)
+
+
+for _analysis in (
+    Regression(),
+    Correlations(),
+    FirstTokenWeightAnalysis(),
+    EntropyAnalysis(),
+    SinkAlignmentAnalysis(),
+    SinkScaling(),
+    NormFitAnalysis(),
+    SemanticConeAnalysis(),
+    JointDistributions(),
+):
+    register_analysis(_analysis)
+
+
+#: the built-in analyses, in their order in tables.json, tables.md and the figures
+ANALYSES = tuple(analysis_names())
