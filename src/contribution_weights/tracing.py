@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch import Tensor
@@ -98,6 +98,36 @@ class TraceRecorder:
             self.progress.update(1)
 
 
+@overload
+def trace(
+    model: LoadedModel,
+    inputs: str | Sequence[int] | Tensor,
+    *,
+    measures: str | Sequence[str] = ...,
+    layers: Sequence[int] | None = ...,
+    max_tokens: int | None = ...,
+    truncate: bool = ...,
+    compute_dtype: str | torch.dtype = ...,
+    block_bytes: int = ...,
+    progress: bool | None = ...,
+) -> Trace: ...
+
+
+@overload
+def trace(
+    model: LoadedModel,
+    inputs: list[str] | tuple[str, ...],
+    *,
+    measures: str | Sequence[str] = ...,
+    layers: Sequence[int] | None = ...,
+    max_tokens: int | None = ...,
+    truncate: bool = ...,
+    compute_dtype: str | torch.dtype = ...,
+    block_bytes: int = ...,
+    progress: bool | None = ...,
+) -> list[Trace]: ...
+
+
 def trace(
     model: LoadedModel,
     inputs: str | Sequence[int] | Tensor | Sequence[str],
@@ -109,7 +139,7 @@ def trace(
     compute_dtype: str | torch.dtype = "float32",
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     progress: bool | None = None,
-) -> Any:
+) -> Trace | list[Trace]:
     """Trace a text, token ids, or a list of texts (then a list of traces is returned).
 
     Returns a :class:`~.results.Trace` whose tensors are ``(len(layers), H, T, T)`` in
@@ -129,7 +159,7 @@ def trace(
         from tqdm.auto import tqdm
 
         texts = tqdm(inputs, desc="trace", unit="text", disable=len(inputs) < 2)
-        return [trace(model, text, **kwargs) for text in texts]  # type: ignore[arg-type]
+        return [trace(model, text, **kwargs) for text in texts]  # type: ignore[call-overload]
     if not isinstance(model, LoadedModel):
         raise TypeError(
             "trace() takes the LoadedModel returned by cw.load_model(); wrap your own model "
