@@ -86,8 +86,11 @@ def test_resume_merges_the_parts_a_dead_process_left(setup):
     (cut / "per_sequence.csv").write_text(header + "".join(by_seq[seqs[0]]))
     part = cut / "parts" / "1"
     part.mkdir(parents=True)
-    # process 1 finished sequence 1 and died writing sequence 3
-    (part / "per_sequence.csv").write_text(header + "".join(by_seq[seqs[1]]) + by_seq[seqs[2]][0])
+    # process 1 finished sequence 1 and died writing sequence 3 (half its second row)
+    cut_row = by_seq[seqs[2]][1][: len(by_seq[seqs[2]][1]) // 2]
+    (part / "per_sequence.csv").write_text(
+        header + "".join(by_seq[seqs[1]]) + by_seq[seqs[2]][0] + cut_row
+    )
     (cut / "skipped.jsonl").unlink()
     launch([*_faith_args(root, model, "cut"), "--resume"])
     for name in ("per_sequence.csv", "summary.csv", "skipped.jsonl"):

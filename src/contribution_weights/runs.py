@@ -65,8 +65,7 @@ class RunFolder:
         cfg_file = self.path / "config.json"
         if cfg_file.exists():
             RunFolder.check(self.path, self.config, resume)
-            for partial in [*self.path.glob("*.csv"), *self.path.glob("*.jsonl")]:
-                _drop_partial_last_line(partial)
+            self.drop_partial_lines()
         else:
             self.path.mkdir(parents=True, exist_ok=True)
             self.write_json("config.json", self.config, indent_sort=True)
@@ -107,6 +106,11 @@ class RunFolder:
         folder.path = Path(path)
         folder.config = dict(config)
         return folder
+
+    def drop_partial_lines(self) -> None:
+        """Cut a last line a crash left without its newline from every CSV/JSONL file."""
+        for partial in [*self.path.glob("*.csv"), *self.path.glob("*.jsonl")]:
+            _drop_partial_last_line(partial)
 
     def part(self, name: str) -> RunFolder:
         """A sub-folder written like a run folder (no config; made on first write)."""

@@ -123,10 +123,6 @@ class Experiment(ABC, Generic[R]):
     def result(self, rows: Mapping[str, list[dict[str, str]]], run_info: dict[str, Any]) -> R:
         """The result from every phase's rows (by file name, as read back) and run_info."""
 
-    def files_written(self) -> list[str]:
-        """Extra files the result writes (for messages)."""
-        return []
-
 
 # ---- processes ---------------------------------------------------------------------------
 @dataclass
@@ -343,6 +339,8 @@ def _consolidate(folder: RunFolder, phase: Phase) -> None:
     here loses nothing and merges nothing twice.
     """
     parts = _parts(folder)
+    for part in parts:  # a process that died mid-write may have left half a line
+        part.drop_partial_lines()
     if phase.rows_file is not None:
         merged, seen = _complete(folder, phase)
         for part in parts:
