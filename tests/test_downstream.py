@@ -101,7 +101,8 @@ def test_items_longer_than_max_tokens_are_skipped():
     lm = tiny_model("llama")
     res = downstream(lm, ITEMS, measures=["attention"], rates=[0.5], max_tokens=15,
                      progress=False)  # fmt: skip
-    assert res.config["skipped"] == 2 and res.summary.n.iloc[0] == 1
+    assert len(res.skipped) == 2 and res.summary.n.iloc[0] == 1
+    assert all("> max_tokens" in s["reason"] for s in res.skipped)
 
 
 @pytest.mark.slow

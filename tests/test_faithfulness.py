@@ -21,7 +21,6 @@ from contribution_weights.experiments.faithfulness import (
     FaithfulnessResult,
     faithfulness,
 )
-from contribution_weights.experiments.removal import token_logprobs
 from contribution_weights.interventions import (
     CLEAN,
     Removal,
@@ -29,6 +28,7 @@ from contribution_weights.interventions import (
     global_thresholds,
     removal_count,
     sink_mask,
+    token_logprobs,
     tracking_sinks,
 )
 from contribution_weights.measures.aggregates import token_scores
@@ -323,7 +323,7 @@ def test_smollm2_ihc_comprehensiveness_grows_with_rate(smollm2, shared_data):
 
 
 def test_rows_are_chunked_by_memory_and_halved_on_out_of_memory(monkeypatch):
-    from contribution_weights.experiments import removal
+    from contribution_weights import interventions as removal
 
     lm = tiny_model("llama")
     assert removal.auto_batch_size(lm, 40, 1) == 1
@@ -397,7 +397,12 @@ def test_blank_and_one_token_texts_are_skipped_and_counted():
     lm = tiny_model("llama")
     res = faithfulness(lm, [TEXT, "   ", "a", "another short text"], measures=["attention"],
                        rates=[0.5], modes=["sufficiency"], progress=False)  # fmt: skip
-    assert res.config["skipped"] == 2 and sorted(res.per_sequence.seq) == [0, 3]
+    assert sorted(res.per_sequence.seq) == [0, 3]
+    assert [(s["unit"], s["reason"]) for s in res.run_info["skipped"]] == [
+        (1, "blank text"),
+        (2, "fewer than 2 tokens: no next token to score"),
+    ]
+    assert res.run_info["seconds"] >= 0 and "torch" in res.run_info["versions"]
     with pytest.raises(ValueError, match="at least 2"):
         faithfulness(lm, [TEXT], max_tokens=1, progress=False)
 
@@ -425,26 +430,40 @@ def test_probs_and_valid_of_selected_batch_rows_equal_the_full_batch_rows():
     assert seen == list(range(lm.num_layers))
 
 
-def test_options_object_sets_the_sink_threshold(tmp_path, monkeypatch):
+def test_options_object_sets_the_sink_cosine(tmp_path, monkeypatch, capsys):
     from contribution_weights.cli import main
     from contribution_weights.experiments.faithfulness import FaithfulnessOptions
 
     lm = tiny_model("llama")
     # cosine > -1 holds for every token, so every token is a protected sink: nothing removed
-    opts = FaithfulnessOptions(measures=["vw"], rates=[0.5], sink_threshold=-1.0)
+    opts = FaithfulnessOptions(measures=["vw"], rates=[0.5], sink_cosine=-1.0)
     res = faithfulness(lm, [TEXT], options=opts, progress=False)
-    assert res.config["sink_threshold"] == -1.0 and (res.per_sequence.delta_nll == 0).all()
+    assert res.config["sink_cosine"] == -1.0 and (res.per_sequence.delta_nll == 0).all()
     default = faithfulness(lm, [TEXT], measures=["vw"], rates=[0.5], progress=False)
     assert (default.per_sequence.delta_nll != 0).any()
     with pytest.raises(ValueError, match="cosine"):
-        faithfulness(lm, [TEXT], sink_threshold=2.0, progress=False)
+        faithfulness(lm, [TEXT], sink_cosine=2.0, progress=False)
+    with pytest.warns(DeprecationWarning, match="sink_cosine"):  # the older keyword
+        old = faithfulness(lm, [TEXT], measures=["vw"], rates=[0.5], sink_threshold=-1.0,
+                           progress=False)  # fmt: skip
+    assert old.config["sink_cosine"] == -1.0
     monkeypatch.setattr("contribution_weights.loading.load_model", lambda *a, **k: lm)
     f = tmp_path / "t.txt"
     f.write_text(TEXT)
     rc = main(["faithfulness", "--file", str(f), "--measures", "vw", "--rates", "0.5",
-               "--sink-threshold", "-1", "--out", str(tmp_path / "o")])  # fmt: skip
+               "--sink-cosine", "-1", "--out", str(tmp_path / "o")])  # fmt: skip
     assert rc == 0
-    assert json.loads((tmp_path / "o" / "config.json").read_text())["sink_threshold"] == -1.0
+    assert json.loads((tmp_path / "o" / "config.json").read_text())["sink_cosine"] == -1.0
+    # the older flag still works, with a warning
+    rc = main(["faithfulness", "--file", str(f), "--measures", "vw", "--rates", "0.5",
+               "--sink-threshold", "-1", "--out", str(tmp_path / "o2")])  # fmt: skip
+    assert rc == 0 and "--sink-threshold is deprecated" in capsys.readouterr().err
+    assert json.loads((tmp_path / "o2" / "config.json").read_text())["sink_cosine"] == -1.0
+    # the CLI and the API refuse a bad value with the same message
+    rc = main(["faithfulness", "--file", str(f), "--sink-cosine", "3", "--out",
+               str(tmp_path / "o3")])  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 2 and "sink_cosine is a cosine, in [-1, 1]; got 3.0" in err
 
 
 def test_cli_corpus_arguments_take_the_first_n_and_refuse_n_below_one(
@@ -487,7 +506,7 @@ def test_token_scores_by_query_blocks_equal_the_brute_force_mean():
 def test_intervened_logprobs_takes_any_intervention_per_chunk():
     from contextlib import nullcontext
 
-    from contribution_weights.experiments.removal import intervened_logprobs, mean_nll
+    from contribution_weights.interventions import intervened_logprobs, mean_nll
 
     lm = tiny_model("llama")
     ids = _ids()
@@ -510,3 +529,35 @@ def test_intervened_logprobs_takes_any_intervention_per_chunk():
         logp = torch.log_softmax(lm.model(input_ids=ids[None]).logits[0].double(), dim=-1)
     brute = -sum(float(logp[k, ids[k + 1]]) for k in range(t - 1)) / (t - 1)
     assert float(mean_nll(clean)[0]) == pytest.approx(brute, rel=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "gpt2"])
+def test_column_sum_token_scores_equal_the_full_measure_tensors(model_type, monkeypatch):
+    """The ranking's per-key column sums (attention, vw, vw_on, ihc) and the reuse of the
+    forward's probabilities give the scores, removals and NLLs of the generic path."""
+    from contribution_weights import capture, interventions
+
+    lm = tiny_model(model_type)
+    ids = _ids()
+    removals = [CLEAN, *(Removal(m, mode, 0.4) for m in ("attention", "vw", "vw_on", "ihc")
+                         for mode in ("comprehensiveness", "sufficiency"))]  # fmt: skip
+
+    def run():
+        probe = SequentialRemoval(removals, keep_history=True)
+        with torch.no_grad(), capturing(lm.model, intervention=probe):
+            logits = lm.model(input_ids=ids[None].expand(len(removals), -1)).logits
+        return probe.history, logits
+
+    fast, fast_logits = run()
+    monkeypatch.setattr(interventions, "COLUMN_SUMS", {})
+    monkeypatch.setattr(
+        capture.LayerCall,
+        "row_blocks",
+        lambda self: [slice(0, self.q_len // 2), slice(self.q_len // 2, self.q_len)],
+    )  # no shared probs
+    slow, slow_logits = run()
+    for layer, rec in slow.items():
+        torch.testing.assert_close(fast[layer].scores, rec.scores, rtol=1e-5, atol=1e-7,
+                                   equal_nan=True)  # fmt: skip
+        assert torch.equal(fast[layer].removed, rec.removed)
+    torch.testing.assert_close(fast_logits, slow_logits, rtol=1e-5, atol=1e-5)

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pandas as pd
 import pytest
 from tiny_models import tiny_model
 
 from contribution_weights.cli import main
-from contribution_weights.experiments import geometry_run
+from contribution_weights.experiments import geometry as geometry_run
 from contribution_weights.experiments.geometry import GeometryOptions
 from contribution_weights.experiments.geometry_result import JSON_KEYS
 from contribution_weights.presentation.geometry_plots import FIGURES, write_figures, write_markdown
@@ -22,19 +23,19 @@ OPTS = GeometryOptions(max_tokens=None, cap=500, gammas=(1.0, 0.0), sink_layers=
 def test_interrupted_run_resumes_to_the_same_tables(tmp_path, monkeypatch):
     lm = tiny_model("llama")
     full = geometry_run.run_geometry(lm, TEXTS, tmp_path / "full", options=OPTS, progress=False)
-    saves = {"n": 0}
-    real_save = geometry_run.save_state
+    calls = {"n": 0}
+    real_observe = geometry_run.Geometry.observe
 
-    def crash_after_two(folder, acc):
-        real_save(folder, acc)
-        saves["n"] += 1
-        if saves["n"] == 2:
+    def crash_on_the_third(self, i):
+        calls["n"] += 1
+        if calls["n"] == 3:
             raise KeyboardInterrupt
+        real_observe(self, i)
 
-    monkeypatch.setattr(geometry_run, "save_state", crash_after_two)
+    monkeypatch.setattr(geometry_run.Geometry, "observe", crash_on_the_third)
     with pytest.raises(KeyboardInterrupt):
         geometry_run.run_geometry(lm, TEXTS, tmp_path / "cut", options=OPTS, progress=False)
-    monkeypatch.setattr(geometry_run, "save_state", real_save)
+    monkeypatch.setattr(geometry_run.Geometry, "observe", real_observe)
     with pytest.raises(RunFolderError, match="--resume"):
         geometry_run.run_geometry(lm, TEXTS, tmp_path / "cut", options=OPTS, progress=False)
     other = GeometryOptions(max_tokens=None, cap=501, gammas=(1.0, 0.0), sink_layers=[1])
@@ -80,7 +81,11 @@ def test_every_output_file_is_replaced_atomically(tmp_path, monkeypatch):
     )
     outputs = {"state.pt", "tables.json", "per_layer.csv", "norm_fit.csv", "meta.json"}
     assert outputs <= set(written)
-    assert {p.name for p in tmp_path.iterdir()} == outputs | {"config.json"}  # no *.tmp left
+    appended = {"sink_scaling.csv"}  # appended row by row (a cut line is dropped on resume)
+    assert {p.name for p in tmp_path.iterdir()} == outputs | appended | {
+        "config.json",
+        "run_info.json",
+    }  # no *.tmp left
 
 
 class _Unsafe:
@@ -110,14 +115,14 @@ def test_no_sink_layer_skips_the_scaling_passes_and_says_so(tmp_path, monkeypatc
 
     monkeypatch.setattr(geometry, "sink_scaling_nll", no_pass)
     lm = tiny_model("llama")
-    opts = GeometryOptions(max_tokens=None, cap=500, gammas=(1.0, 0.0), sink_threshold=1.0)
-    with pytest.warns(NoSinkLayersWarning, match="--sink-threshold"):
+    opts = GeometryOptions(max_tokens=None, cap=500, gammas=(1.0, 0.0), sink_layer_threshold=1.0)
+    with pytest.warns(NoSinkLayersWarning, match="--sink-layer-threshold"):
         res = geometry_run.run_geometry(
             lm, TEXTS, tmp_path, ["sink_scaling", "entropy"], opts, progress=False
         )
     scaling = json.loads((tmp_path / "tables.json").read_text())["sink_scaling"]
     assert scaling["layers"] == [] and scaling["by_gamma"] == []
-    assert "no layer has mean α_i0 above the sink threshold 1.0" in scaling["skipped"]
+    assert "no layer has mean α_i0 above the sink-layer threshold 1.0" in scaling["skipped"]
     assert "Not run: no layer" in write_markdown(res, tmp_path / "tables.md", "tiny")
     assert "geometry-sink_scaling.png" not in {p.name for p in write_figures(res, tmp_path)}
     with pytest.warns(NoSinkLayersWarning, match="given sink layers are empty"):
@@ -181,3 +186,130 @@ def test_smollm2_end_to_end(smollm2, tmp_path):
     assert r2 is not None
     assert np.isfinite(r2.to_numpy()).all()
     assert len(write_figures(res, tmp_path)) == len(FIGURES)
+
+
+def _close(a, b, path=""):
+    """Nested JSON tables equal, numbers to 1e-9 relative (sums in another order)."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            _close(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, list):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _close(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) and isinstance(b, float):
+        assert a == pytest.approx(b, rel=1e-9, abs=1e-12), path
+    else:
+        assert a == b, path
+
+
+def test_accumulators_split_over_sequences_merge_to_the_one_pass_tables():
+    """Two accumulators fed alternate sequences, merged, give one accumulator's tables:
+    the sampled points exactly, the summed statistics to float rounding."""
+    from contribution_weights.experiments.geometry import GeometryAccumulator, encode_texts
+
+    lm = tiny_model("llama")
+    texts = [*TEXTS, "A fourth text, a little longer than the others.", "Five."]
+    opts = GeometryOptions(max_tokens=None, cap=60, gammas=(1.0, 0.0), sink_layers=[1])
+    names = [n for n in geometry_run.ANALYSES if n != "sink_scaling"]
+    ids = encode_texts(lm, texts, None)
+
+    def acc():
+        return GeometryAccumulator(lm.num_layers, lm.num_heads, names, opts)
+
+    one = acc()
+    for i, x in enumerate(ids):
+        one.add_sequence(lm, x, unit=i)
+    parts = [acc(), acc()]
+    for i, x in enumerate(ids):
+        parts[i % 2].add_sequence(lm, x, unit=i)
+    merged = acc()
+    for part in reversed(parts):  # merge order does not matter either
+        merged.merge_state(part.state_dict())
+    a, b = one.result(), merged.result()
+    assert merged.units == list(range(len(texts))) and b.sequences == len(texts)
+    _close(b.to_json(), a.to_json())
+    assert a.joint is not None and b.joint is not None and len(a.joint) == 60  # cap reached
+
+    pd.testing.assert_frame_equal(b.joint, a.joint)  # the same sample, in the same order
+    for key in a.norm_points or {}:
+        np.testing.assert_array_equal(b.norm_points[key], a.norm_points[key])
+    assert a.cone_snapshot is not None and b.cone_snapshot is not None
+    for key, value in a.cone_snapshot.items():
+        np.testing.assert_array_equal(b.cone_snapshot[key], value)
+    with pytest.raises(ValueError, match="share sequences"):
+        merged.merge_state(parts[0].state_dict())
+
+
+def test_geometry_result_saves_and_loads_back(tmp_path):
+    from contribution_weights.experiments.geometry_result import GeometryResult
+
+    lm = tiny_model("llama")
+    res = geometry_run.run_geometry(lm, TEXTS, tmp_path / "run", options=OPTS, progress=False)
+    loaded = GeometryResult.load(tmp_path / "run")
+    assert loaded.to_json() == res.to_json() and loaded.config == res.config
+    again = GeometryResult.load(loaded.save(tmp_path / "copy"))
+    assert again.to_json() == res.to_json() and again.run_info == res.run_info
+    assert again.tokens == res.tokens
+
+
+def test_joint_distribution_plot_has_a_colourbar_per_panel():
+    from contribution_weights.presentation.geometry_plots import plot_joint_distributions
+
+    res = geometry_run.analyse(tiny_model("llama"), TEXTS, ["joint_distributions"], OPTS)
+    fig = plot_joint_distributions(res.joint)
+    colourbars = [ax for ax in fig.axes if ax.get_label() == "<colorbar>"]
+    assert len(colourbars) == 2 and "log scale" in colourbars[0].get_ylabel()
+
+
+def test_a_new_analysis_is_one_registered_class(tmp_path):
+    """Statistics, tables, JSON, figure and Markdown of an analysis come from its class."""
+    import matplotlib.pyplot as plt
+
+    from contribution_weights.experiments import geometry_result as gr
+    from contribution_weights.experiments.stats import LayerMeans
+
+    class MeanValueNorm(LayerMeans):
+        columns = ("value_norm",)
+
+        def observe(self, view):
+            self._seq[view.layer, 0] += float(view.value_norm.mean()) * view.alpha.shape[1]
+            self._seq_n[view.layer, 0] += view.alpha.shape[1]
+
+    class ValueNorm(gr.Analysis):
+        name = "value_norm"
+
+        def stats(self, num_layers, num_heads, options):
+            return {"value_norm": MeanValueNorm(num_layers)}
+
+        def build(self, ctx, result):
+            stat = ctx.stats["value_norm"]
+            result.extra["value_norm"] = pd.DataFrame(stat.by_layer(), ctx.layers, ["value_norm"])
+
+        def to_json(self, result):
+            return {"value_norm": result.extra["value_norm"]["value_norm"].tolist()}
+
+        def figure(self, result, title=""):
+            fig, ax = plt.subplots()
+            result.extra["value_norm"].plot(ax=ax)
+            return fig
+
+        def markdown(self, result):
+            return ["## Mean value norm", "", result.extra["value_norm"].to_string(), ""]
+
+    gr.register_analysis(ValueNorm())
+    try:
+        lm = tiny_model("llama")
+        res = geometry_run.run_geometry(lm, TEXTS, tmp_path, "value_norm,entropy", OPTS,
+                                        progress=False)  # fmt: skip
+        tables = json.loads((tmp_path / "tables.json").read_text())
+        assert tuple(tables)[: len(JSON_KEYS)] == JSON_KEYS and tables["entropy"] is not None
+        assert len(tables["value_norm"]) == lm.num_layers and tables["regression_r2"] is None
+        assert all(v > 0 for v in tables["value_norm"])
+        assert [p.name for p in write_figures(res, tmp_path)] == ["geometry-value_norm.png"]
+        assert "## Mean value norm" in write_markdown(res, tmp_path / "tables.md", "tiny")
+        with pytest.raises(ValueError, match=r"valid: .*value_norm"):
+            geometry_run.resolve_analyses("nope")
+    finally:
+        gr._REGISTRY.pop("value_norm")

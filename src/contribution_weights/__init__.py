@@ -5,22 +5,36 @@ Quick start::
     import contribution_weights as cw
     model = cw.load_model()                  # SmolLM2-135M-Instruct, embedded
     trace = cw.trace(model, "Some text")     # all measures, all layers
-    trace["contribution"]                    # (layers, heads, T, T) float32
+    trace["contribution"][5, 2]              # layer position 5, head 2: (T, T) float32
+    cw.trace(model, long_text, out="runs/x") # maps streamed to disk, read back lazily
     trace.summary()
 
-Layout (arrows point one way): ``measures`` (pure maths) ← ``capture`` (getting
-internals out of a model, and interventions) ← ``tracing`` / experiments ← ``results``
-← ``presentation`` ← ``cli``.
+Layout: each layer imports only from the layers before it (checked, lazy imports inside
+functions included, by ``tests/test_layering.py``):
+
+1. ``measures`` (pure maths), ``families`` (model families as data), ``runs`` (run
+   folders), ``data`` (evaluation data), ``progress``, ``storage`` (where a trace's maps
+   live: memory or per-layer shards on disk);
+2. ``capture`` (getting internals out of a model), ``loading`` (models), ``results``
+   (the ``Trace`` container);
+3. ``interventions`` (every intervention, and running them as batched forwards),
+   ``inputs`` (encoding texts, resolving layers);
+4. ``tracing`` and ``experiments`` (faithfulness, downstream, geometry on one runner);
+5. ``presentation`` (figures, Markdown, the HTML report);
+6. ``cli``, then this package's ``__init__`` and ``__main__``.
+
+The one sanctioned exception: methods that hand a result to presentation
+(``Trace.to_html``, ``FaithfulnessResult.plot``, ``DownstreamResult.plot``) import it
+lazily, inside the method.
 """
 
 from . import progress  # noqa: F401, I001  (first: quiets tqdm's notebook warning)
 from . import data
 from .capture import CaptureError, CaptureSession, LayerCall, capturing
 from .experiments import geometry
-from .experiments.downstream import DownstreamResult, downstream
-from .experiments.faithfulness import FaithfulnessResult, faithfulness
-from .experiments.geometry import GeometryOptions, GeometryResult
-from .experiments.geometry_run import run_geometry
+from .experiments.downstream import DownstreamOptions, DownstreamResult, downstream
+from .experiments.faithfulness import FaithfulnessOptions, FaithfulnessResult, faithfulness
+from .experiments.geometry import GeometryOptions, GeometryResult, run_geometry
 from .families import FamilySpec, UnsupportedModelError, register_family, supported_families
 from .inputs import InputError
 from .loading import LoadedModel, ModelLoadError, load_model
@@ -33,7 +47,9 @@ __version__ = "0.1.0"
 __all__ = [
     "CaptureError",
     "CaptureSession",
+    "DownstreamOptions",
     "DownstreamResult",
+    "FaithfulnessOptions",
     "FaithfulnessResult",
     "FamilySpec",
     "GeometryOptions",

@@ -81,6 +81,9 @@ class LayerCall:
     block: tuple[Tensor, Tensor] | None = None
     # the keys that block covers (all when None; see CaptureSession.attend)
     keys: slice | None = None
+    # every query's probabilities (B, H, Tq, Tk), computed once before the intervention is
+    # asked for its scale when the layer fits one block; :meth:`probs` reads them from here
+    layer_probs: Tensor | None = None
 
     @property
     def batch(self) -> int:
@@ -145,6 +148,9 @@ class LayerCall:
         ``keys``: a range of keys (all when None); outside :meth:`key_span` every
         probability is 0, so the range's probabilities equal those of the whole row.
         """
+        if self.layer_probs is not None:  # computed once for the layer (intervention path)
+            whole = self.layer_probs if keys is None else self.layer_probs[..., keys]
+            return _take_rows(whole[:, :, rows], batch)
         keys = slice(0, self.k_len) if keys is None else keys
         query, key = self.query[:, :, rows], self.key[:, :, keys]
         if batch is not None:
@@ -241,6 +247,17 @@ class LayerCall:
         )
 
 
+def _take_rows(x: Tensor, batch: Tensor | None) -> Tensor:
+    """Batch rows ``batch`` of ``x`` (a view when they are consecutive, else a copy)."""
+    if batch is None:
+        return x
+    n = int(batch.numel())
+    first = int(batch[0]) if n else 0
+    if n and bool((batch == torch.arange(first, first + n, device=batch.device)).all()):
+        return x.narrow(0, first, n)
+    return x.index_select(0, batch.to(x.device))
+
+
 class Observer(Protocol):
     """Shown each block of queries of each layer it wants.
 
@@ -296,23 +313,40 @@ class CaptureSession:
             and not any(_wants(o, call.layer_idx) for o in self.observers)
         ):
             return self._unobserved(call)
+        blocks = call.row_blocks()
+        if self.intervention is not None and len(blocks) == 1:
+            # the intervention ranks tokens on this layer's probabilities: compute them once
+            # and let it read them (LayerCall.probs) instead of recomputing them
+            call.layer_probs = call.probs(blocks[0])
         scale = self.intervention.column_scale(call) if self.intervention is not None else None
         values = call._expanded(call.value)
+        if scale is not None:
+            # α·diag(s)·V = α·(s ⊙ V): scale the values (T·d) rather than the probabilities (T²)
+            values = values * scale[:, :, :, None].to(values.dtype)
         # observers that take blocks narrowed to their keys' span (``key_spans = True``)
         # are shown only those keys, and nothing is computed for the keys outside it
-        narrow = scale is None and all(getattr(o, "key_spans", False) for o in self.observers)
+        narrow = (
+            call.layer_probs is None
+            and scale is None
+            and all(getattr(o, "key_spans", False) for o in self.observers)
+        )
         outputs = []
-        for rows in call.row_blocks():
+        for rows in blocks:
             keys = call.key_span(rows) if narrow else None
-            probs = call.probs(rows, keys=keys)
-            if scale is not None:
-                probs = probs * scale[:, :, None, :].to(probs.dtype)
+            if call.layer_probs is not None:
+                probs = call.layer_probs
+            else:
+                probs = call.probs(rows, keys=keys)
             block = torch.matmul(probs, values if keys is None else values[:, :, keys])
-            call.block, call.keys = (probs, block), keys
-            for observer in self.observers:
-                observer.observe(call, rows, probs)
+            if self.observers:
+                if scale is not None:  # observers see the probabilities actually used
+                    probs = probs * scale[:, :, None, :].to(probs.dtype)
+                call.block, call.keys = (probs, block), keys
+                for observer in self.observers:
+                    observer.observe(call, rows, probs)
             outputs.append(block)
         call.block, call.keys = None, None
+        call.layer_probs = None
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
         return out.transpose(1, 2).contiguous()
 

@@ -1,4 +1,7 @@
-"""Removal interventions of method §4: take tokens out of attention heads, layer by layer.
+"""Every intervention, in one place: token removal (method §4), sink-value scaling (method
+§5), and running rows of configurations as batched forward passes.
+
+Token removal takes tokens out of attention heads, layer by layer.
 
 Removing token j from head h of layer l multiplies column j of that head's attention by
 0 for every query (no renormalisation), i.e. sets the projected value ṽ_j^(l,h) to 0.
@@ -25,13 +28,24 @@ Scope. ``"layer"``: per (layer, head), remove the top (comprehensiveness) or bot
 (sufficiency) ⌈p·N_eligible⌉ tokens. ``"global"``: a threshold per configuration, from
 the scores of a clean pass (:func:`global_thresholds`); a token is removed from a head
 when its current score is above (comprehensiveness) or below (sufficiency) it.
+
+Sink-value scaling. :class:`SinkValueScale` multiplies v_0 by γ_b in the given layers
+(batch row b), the paper's Figure 6c.
+
+Running. :func:`intervened_logprobs` runs rows of token ids under any
+:class:`~.capture.Intervention` (batch dimension = configurations) and returns the
+log-probability of every next token; :func:`token_logprobs` is it with one
+:class:`Removal` per row, and :func:`mean_nll` turns the result into a per-row mean NLL.
+Rows are chunked automatically: the chunk size is estimated from the model's shapes
+against a memory budget, and halved again whenever the device still reports that it
+is out of memory.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -39,9 +53,11 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from .capture import LayerCall, capturing
+from .capture import Intervention, LayerCall, capturing, check_all_layers_seen
 from .families import family_for
+from .loading import LoadedModel
 from .measures.aggregates import later_query_mean, later_query_sums
+from .measures.layer import LayerTensors
 from .measures.registry import get_measure
 
 MODES = ("comprehensiveness", "sufficiency")
@@ -71,6 +87,37 @@ class Removal:
 
 
 CLEAN = Removal(None)
+
+
+# ---- token scores from column sums -------------------------------------------------------
+# Σ_i w_ij over a block of queries, for measures whose sum factorises per key, so that no
+# (n, H, I, T) measure tensor or masked copy is built. Each equals
+# later_query_sums(lt.masked(measure(lt))) to float rounding where α is 0 outside the mask.
+def _attention_sums(lt: LayerTensors) -> Tensor:
+    return lt.probs.sum(-2)  # Σ_i α_ij
+
+
+def _vw_sums(lt: LayerTensors) -> Tensor:
+    return lt.value_norm * lt.probs.sum(-2)  # ‖ṽ_j‖ Σ_i α_ij
+
+
+def _vw_on_sums(lt: LayerTensors) -> Tensor:
+    # ‖ṽ_j‖ Σ_i α_ij / ‖o_i‖ = ‖ṽ_j‖ · ((1/‖o‖)ᵀ α)_j
+    return lt.value_norm * torch.einsum("bi,bhit->bht", lt.inv_output_norm, lt.probs)
+
+
+def _ihc_sums(lt: LayerTensors) -> Tensor:
+    # Σ_i |α_ij ⟨o_i, ṽ_j⟩| / ‖o_i‖²: one elementwise |·| pass, then a weighted column sum
+    dots = (lt.probs * lt.output_dot_values).abs_()
+    return torch.einsum("bi,bhit->bht", lt.inv_output_norm2, dots)
+
+
+COLUMN_SUMS: dict[str, Callable[[LayerTensors], Tensor]] = {
+    "attention": _attention_sums,
+    "vw": _vw_sums,
+    "vw_on": _vw_on_sums,
+    "ihc": _ihc_sums,
+}
 #: (n, H, I, Tk) tensors the token-score maths holds at once, for sizing query blocks
 _LIVE_BLOCKS = 6
 
@@ -202,11 +249,17 @@ class SequentialRemoval:
         per_query = max(1, len(rows) * h * t * (torch.finfo(dtype).bits // 8) * _LIVE_BLOCKS)
         step = max(1, self.block_bytes // per_query)
         compute = get_measure(measure).compute
+        # column sums need α_ij = 0 wherever query i may not see key j (j > i included),
+        # which the eager mask guarantees; without a mask the generic path masks explicitly
+        column_sums = COLUMN_SUMS.get(measure) if call.attention_mask is not None else None
         for start in range(0, limit, step):
             block = slice(start, min(limit, start + step))
             probs = call.probs(block, idx)  # only this measure's batch rows
             lt = call.layer_tensors(block, probs, dtype, batch=idx)
-            total += later_query_sums(lt.masked(compute(lt)), start)
+            if column_sums is not None:
+                total += column_sums(lt)
+            else:
+                total += later_query_sums(lt.masked(compute(lt)), start)
         return later_query_mean(total, limit)
 
     def column_scale(self, call: LayerCall) -> Tensor | None:
@@ -265,7 +318,7 @@ def global_thresholds(
     *,
     eligible_len: int | None = None,
     protect_sinks: bool = True,
-    sink_threshold: float = SINK_COSINE,
+    sink_cosine: float = SINK_COSINE,
     compute_dtype: torch.dtype = torch.float32,
 ) -> list[Removal]:
     """Removals with their global threshold, from one clean forward of ``input_ids`` ``(T,)``.
@@ -285,7 +338,7 @@ def global_thresholds(
         compute_dtype=compute_dtype,
         keep_history=True,
     )
-    with torch.no_grad(), tracking_sinks(model, sink_threshold) as sinks:
+    with torch.no_grad(), tracking_sinks(model, sink_cosine) as sinks:
         probe.sinks = sinks
         with capturing(model, intervention=probe):
             model(input_ids=input_ids[None].expand(len(measures), -1), use_cache=False)
@@ -308,16 +361,178 @@ def global_thresholds(
     return out
 
 
+# ---- sink-value scaling -----------------------------------------------------------------
+@dataclass
+class SinkValueScale:
+    """Intervention: attention column 0 times ``gammas[b]`` in ``layers`` (batch item b)."""
+
+    layers: frozenset[int]
+    gammas: Tensor  # (B,)
+
+    def column_scale(self, call: LayerCall) -> Tensor | None:
+        if call.layer_idx not in self.layers:
+            return None
+        scale = torch.ones(call.batch, call.num_heads, call.k_len, device=call.query.device)
+        scale[:, :, 0] = self.gammas.to(scale.device)[:, None]
+        return scale
+
+
+# ---- running rows of configurations as batched forwards ------------------------------
+DEFAULT_MEMORY_BYTES = 3 * 1024**3
+
+
+def row_bytes(model: LoadedModel, num_tokens: int) -> int:
+    """Rough peak memory of one batch row of a removal forward (bytes)."""
+    cfg = model.text_config
+    d = int(cfg.hidden_size)
+    inter = int(getattr(cfg, "intermediate_size", 4 * d) or 4 * d)
+    vocab = int(cfg.vocab_size)
+    heads = model.num_heads
+    t = num_tokens
+    per_token = 4 * (3 * vocab + 24 * d + 4 * inter)  # logits + log-softmax, activations
+    attention = 4 * heads * t * t * 10  # probs and measure intermediates of one layer
+    return per_token * t + attention
+
+
+def auto_batch_size(model: LoadedModel, num_tokens: int, memory_bytes: int) -> int:
+    return max(1, memory_bytes // max(1, row_bytes(model, num_tokens)))
+
+
+def _is_oom(err: BaseException) -> bool:
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+
+
+#: for rows ``start:stop`` of the batch, a context manager giving their intervention
+#: (entered around that chunk's forward, e.g. to hold hooks); None = no intervention
+InterventionFor = Callable[[slice], AbstractContextManager[Intervention | None]]
+
+
+def _forward(
+    model: LoadedModel, ids: Tensor, intervention: AbstractContextManager[Intervention | None]
+) -> Tensor:
+    ids = ids.to(model.device)
+    with (
+        torch.no_grad(),
+        intervention as scale,
+        capturing(model.model, intervention=scale) as session,
+    ):
+        logits = model.model(input_ids=ids, use_cache=False).logits
+        check_all_layers_seen(session, model.num_layers)
+    out = torch.empty(ids.shape[0], ids.shape[1] - 1, dtype=torch.float32)
+    for b in range(ids.shape[0]):  # one row at a time keeps the log-softmax small
+        logp = torch.log_softmax(logits[b, :-1].float(), dim=-1)
+        out[b] = logp.gather(-1, ids[b, 1:, None]).squeeze(-1).cpu()
+    return out
+
+
+def token_logprobs(
+    model: LoadedModel,
+    input_ids: Tensor,
+    removals: Sequence[Removal],
+    *,
+    eligible_len: int | None = None,
+    protect_sinks: bool = True,
+    scope: str = "layer",
+    sink_cosine: float = SINK_COSINE,
+    batch_size: int | None = None,
+    memory_bytes: int = DEFAULT_MEMORY_BYTES,
+) -> Tensor:
+    """``(R, T-1)``: log p(token t+1 | ≤ t) of each row of ``input_ids`` ``(R, T)``.
+
+    Row r runs under ``removals[r]``.
+
+    ``batch_size`` rows run per forward (default: as many as fit ``memory_bytes``);
+    results do not depend on it beyond float rounding.
+    """
+    if input_ids.ndim != 2 or input_ids.shape[0] != len(removals):
+        raise ValueError(
+            f"input_ids {tuple(input_ids.shape)} must be (rows, tokens) with one row per removal "
+            f"({len(removals)})"
+        )
+
+    @contextmanager
+    def removal_for(rows: slice) -> Iterator[Intervention | None]:
+        with tracking_sinks(model.model, sink_cosine) as sinks:
+            yield SequentialRemoval(
+                removals[rows],
+                eligible_len=eligible_len,
+                sinks=sinks,
+                protect_sinks=protect_sinks,
+                scope=scope,
+            )
+
+    return intervened_logprobs(
+        model, input_ids, removal_for, batch_size=batch_size, memory_bytes=memory_bytes
+    )
+
+
+def mean_nll(logprobs: Tensor) -> Tensor:
+    """``(R,)`` float64 mean next-token NLL of each row of :func:`token_logprobs` output."""
+    return (-logprobs.double()).mean(dim=-1)
+
+
+def intervened_logprobs(
+    model: LoadedModel,
+    input_ids: Tensor,
+    intervention_for: InterventionFor,
+    *,
+    batch_size: int | None = None,
+    memory_bytes: int = DEFAULT_MEMORY_BYTES,
+) -> Tensor:
+    """``(R, T-1)``: log p(token t+1 | ≤ t) of each row of ``input_ids`` ``(R, T)``, rows
+    ``start:stop`` running under the intervention ``intervention_for(slice(start, stop))``
+    gives (e.g. ``lambda rows: contextlib.nullcontext(MyScale(gammas[rows]))``).
+
+    Chunked as :func:`token_logprobs`: ``batch_size`` rows per forward (default: as many
+    as fit ``memory_bytes``), halved on out-of-memory.
+    """
+    if input_ids.ndim != 2:
+        raise ValueError(f"input_ids {tuple(input_ids.shape)} must be (rows, tokens)")
+    if input_ids.shape[1] < 2:
+        raise ValueError("a sequence needs at least 2 tokens to be scored")
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1 (or None for automatic), got {batch_size}")
+    rows = input_ids.shape[0]
+    size = (
+        batch_size
+        if batch_size is not None
+        else auto_batch_size(model, input_ids.shape[1], memory_bytes)
+    )
+    out = torch.empty(rows, input_ids.shape[1] - 1)
+    start = 0
+    while start < rows:
+        stop = min(rows, start + size)
+        try:
+            out[start:stop] = _forward(
+                model, input_ids[start:stop], intervention_for(slice(start, stop))
+            )
+        except (RuntimeError, torch.OutOfMemoryError) as err:
+            if not _is_oom(err) or size == 1:
+                raise
+            size = max(1, size // 2)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            continue
+        start = stop
+    return out
+
+
 __all__ = [
     "CLEAN",
+    "DEFAULT_MEMORY_BYTES",
     "MODES",
     "SCOPES",
     "LayerRecord",
     "Removal",
     "SequentialRemoval",
     "SinkTracker",
+    "SinkValueScale",
+    "auto_batch_size",
     "global_thresholds",
+    "intervened_logprobs",
+    "mean_nll",
     "removal_count",
     "sink_mask",
+    "token_logprobs",
     "tracking_sinks",
 ]

@@ -36,6 +36,22 @@ def fingerprint(items: Iterable[Any], *, algorithm: str = "sha256") -> str:
     return digest.hexdigest()[:16]
 
 
+#: config keys recorded for people, not compared on resume (the texts are compared by content)
+INFORMATIONAL = ("source",)
+#: options renamed since older run folders were written: experiment -> {old: new}
+RENAMED = {
+    "faithfulness": {"sink_threshold": "sink_cosine"},
+    "downstream": {"sink_threshold": "sink_cosine"},
+    "geometry": {"sink_threshold": "sink_layer_threshold"},
+}
+
+
+def upgraded_config(config: dict[str, Any]) -> dict[str, Any]:
+    """An older run's config with renamed options under their new names."""
+    renames = RENAMED.get(str(config.get("experiment")), {})
+    return {renames.get(k, k): v for k, v in config.items()}
+
+
 class RunFolderError(RuntimeError):
     """A run folder cannot be (re)used as asked."""
 
@@ -48,27 +64,57 @@ class RunFolder:
         self.config = dict(config)
         cfg_file = self.path / "config.json"
         if cfg_file.exists():
-            old = json.loads(cfg_file.read_text())
-            if not resume:
-                raise RunFolderError(
-                    f"{self.path} already holds a run; pass resume=True (CLI: --resume) to "
-                    "continue it, or choose another --out folder"
-                )
-            diff = sorted(
-                k for k in set(old) | set(self.config) if old.get(k) != self.config.get(k)
-            )
-            if diff:
-                raise RunFolderError(
-                    f"cannot resume {self.path}: its config differs in {', '.join(diff)}; "
-                    "rerun with the same options or choose another --out folder"
-                )
-            for partial in [*self.path.glob("*.csv"), *self.path.glob("*.jsonl")]:
-                _drop_partial_last_line(partial)
+            RunFolder.check(self.path, self.config, resume)
+            self.drop_partial_lines()
         else:
             self.path.mkdir(parents=True, exist_ok=True)
-            tmp = cfg_file.with_suffix(".json.tmp")
-            tmp.write_text(json.dumps(self.config, indent=2, sort_keys=True))
-            os.replace(tmp, cfg_file)
+            self.write_json("config.json", self.config, indent_sort=True)
+
+    @staticmethod
+    def check(path: str | Path, config: Mapping[str, Any], resume: bool = False) -> None:
+        """Refuse (with :class:`RunFolderError`) to reuse ``path`` for ``config``, reading only.
+
+        A folder holding a run needs ``resume``, and then the same config: the keys that
+        differ are named. Keys in :data:`INFORMATIONAL` (where the texts came from, as
+        spelled) are not compared: the inputs are compared by their content's fingerprint.
+        """
+        path = Path(path)
+        cfg_file = path / "config.json"
+        if not cfg_file.exists():
+            return
+        old = upgraded_config(json.loads(cfg_file.read_text()))
+        if not resume:
+            raise RunFolderError(
+                f"{path} already holds a run; pass resume=True (CLI: --resume) to "
+                "continue it, or choose another --out folder"
+            )
+        diff = sorted(
+            k
+            for k in set(old) | set(config)
+            if k not in INFORMATIONAL and old.get(k) != config.get(k)
+        )
+        if diff:
+            raise RunFolderError(
+                f"cannot resume {path}: its config differs in {', '.join(diff)}; "
+                "rerun with the same options or choose another --out folder"
+            )
+
+    @classmethod
+    def existing(cls, path: str | Path, config: Mapping[str, Any]) -> RunFolder:
+        """A folder already set up (config written and checked), opened without writing."""
+        folder = cls.__new__(cls)
+        folder.path = Path(path)
+        folder.config = dict(config)
+        return folder
+
+    def drop_partial_lines(self) -> None:
+        """Cut a last line a crash left without its newline from every CSV/JSONL file."""
+        for partial in [*self.path.glob("*.csv"), *self.path.glob("*.jsonl")]:
+            _drop_partial_last_line(partial)
+
+    def part(self, name: str) -> RunFolder:
+        """A sub-folder written like a run folder (no config; made on first write)."""
+        return RunFolder.existing(self.path / name, self.config)
 
     def file(self, name: str) -> Path:
         return self.path / name
@@ -138,14 +184,16 @@ class RunFolder:
             self.write_bytes(name, buf.getvalue().encode())
         return kept, done
 
-    def write_json(self, name: str, data: Any) -> Path:
+    def write_json(self, name: str, data: Any, indent_sort: bool = False) -> Path:
         """Write a JSON file atomically (write to a temporary file, then rename)."""
-        return self.write_bytes(name, json.dumps(data, indent=2).encode())
+        return self.write_bytes(name, json.dumps(data, indent=2, sort_keys=indent_sort).encode())
 
     def write_bytes(self, name: str, data: bytes) -> Path:
         """Replace a file atomically and durably (temporary file, fsync, rename)."""
         target = self.file(name)
+        target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(target.name + ".tmp")
+        # plain open(): the file gets the usual 0666 & ~umask (0644), unlike mkstemp's 0600
         with tmp.open("wb") as fh:
             fh.write(data)
             fh.flush()
@@ -155,6 +203,7 @@ class RunFolder:
 
 
 def _append(target: Path, text: str) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
     with target.open("a") as fh:
         fh.write(text)
         fh.flush()

@@ -367,7 +367,7 @@ TextInput = str | Sequence[int] | Tensor
 
 
 @overload
-def trace(  # type: ignore[overload-overlap]
+def trace(
     model: LoadedModel,
     inputs: TextInput,
     *,
@@ -389,7 +389,7 @@ def trace(  # type: ignore[overload-overlap]
 @overload
 def trace(
     model: LoadedModel,
-    inputs: Sequence[str] | Sequence[Sequence[int]],
+    inputs: list[str] | tuple[str, ...] | list[list[int]] | list[Tensor],
     *,
     measures: str | Sequence[str] = ...,
     layers: Sequence[int] | None = ...,

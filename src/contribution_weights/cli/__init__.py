@@ -44,5 +44,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"cw {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"cw {args.command}: interrupted", file=sys.stderr)
+        message = f"cw {args.command}: interrupted"
+        if hasattr(args, "resume"):  # a run folder: say how to continue it
+            from ..experiments.runner import resume_hint
+
+            message += "; continue it with:\n  " + resume_hint(
+                sys.argv[1:] if argv is None else argv
+            )
+        print(message, file=sys.stderr)
         return 130

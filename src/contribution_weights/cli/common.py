@@ -21,6 +21,21 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="e.g. cpu, cuda (default: cpu)")
 
 
+def model_device(args: argparse.Namespace) -> str | None:
+    """``--device``, or under a data-parallel launch on GPUs this process's own GPU."""
+    if args.device is not None:
+        return str(args.device)
+    import os
+
+    local = os.environ.get("LOCAL_RANK")
+    if local is not None and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        import torch
+
+        if torch.cuda.is_available():
+            return f"cuda:{int(local)}"
+    return None
+
+
 def add_text_arguments(p: argparse.ArgumentParser, example: bool = True) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--text", help="the text to trace")
@@ -77,17 +92,6 @@ def load_corpus(args: argparse.Namespace) -> tuple[list[str], str]:
     path = args.texts or args.file
     texts = data.read_texts(path, field=args.field)
     return (texts if args.n is None else texts[: args.n]), str(path)
-
-
-def parse_floats(value: str) -> list[float]:
-    """An argparse type: ``"1,0.5,0"`` -> ``[1.0, 0.5, 0.0]`` (at least one number)."""
-    try:
-        out = [float(x) for x in value.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected numbers like 1,0.5,0, not {value!r}") from None
-    if not out:
-        raise argparse.ArgumentTypeError("give at least one number")
-    return out
 
 
 def positive_int(value: str) -> int:

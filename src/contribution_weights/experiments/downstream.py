@@ -12,23 +12,24 @@ every scored token, so causal attention never sees it).
 from __future__ import annotations
 
 import itertools
-import time
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 import torch
-from tqdm.auto import tqdm
 
 from ..data import ChoiceItem
-from ..interventions import CLEAN, SINK_COSINE, Removal
+from ..interventions import CLEAN, DEFAULT_MEMORY_BYTES, SINK_COSINE, Removal, token_logprobs
 from ..loading import LoadedModel
 from ..measures.registry import resolve_measures
-from ..runs import RunFolder, fingerprint
-from .faithfulness import DEFAULT_MEASURES, DEFAULT_RATES, as_floats
-from .removal import DEFAULT_MEMORY_BYTES, token_logprobs
+from ..runs import fingerprint
+from .faithfulness import DEFAULT_MEASURES, DEFAULT_RATES, check_rates, check_sink_cosine
+from .options import Options, as_floats, option, split_names
+from .result import ExperimentResult, read_csv, write_csv
+from .runner import Experiment, Phase, SkipUnit, run_experiment
 
 PER_ITEM = "per_item.csv"
 SUMMARY = "summary.csv"
@@ -53,7 +54,7 @@ def option_scores(
     removals: Sequence[Removal],
     *,
     protect_sinks: bool = True,
-    sink_threshold: float = SINK_COSINE,
+    sink_cosine: float = SINK_COSINE,
     batch_size: int | None = None,
     memory_bytes: int = DEFAULT_MEMORY_BYTES,
 ) -> torch.Tensor:
@@ -64,8 +65,8 @@ def option_scores(
     pad = int(prompt[0])
     ids = torch.full((rows, width), pad, dtype=torch.long)
     row_removals = []
-    for r, (removal, option) in enumerate(itertools.product(removals, options)):
-        seq = [*prompt, *option]
+    for r, (removal, choice) in enumerate(itertools.product(removals, options)):
+        seq = [*prompt, *choice]
         ids[r, : len(seq)] = torch.tensor(seq)
         row_removals.append(removal)
     logp = token_logprobs(
@@ -74,14 +75,14 @@ def option_scores(
         row_removals,
         eligible_len=p,
         protect_sinks=protect_sinks,
-        sink_threshold=sink_threshold,
+        sink_cosine=sink_cosine,
         batch_size=batch_size,
         memory_bytes=memory_bytes,
     )
     scores = torch.empty(rows, dtype=torch.float64)
-    for r, (_, option) in enumerate(itertools.product(removals, options)):
+    for r, (_, choice) in enumerate(itertools.product(removals, options)):
         # log p of option token k sits at position p - 1 + k of the shifted targets
-        scores[r] = logp[r, p - 1 : p - 1 + len(option)].double().sum()
+        scores[r] = logp[r, p - 1 : p - 1 + len(choice)].double().sum()
     return scores.reshape(len(removals), len(options))
 
 
@@ -101,16 +102,171 @@ def summarise(per_item: pd.DataFrame, task: str) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
 
 
-@dataclass
-class DownstreamResult:
-    per_item: pd.DataFrame
-    summary: pd.DataFrame
-    config: dict[str, Any]
+class DownstreamResult(ExperimentResult):
+    """Per-item rows, their accuracy summary, the run's configuration and run_info."""
+
+    def __init__(
+        self,
+        per_item: pd.DataFrame,
+        config: dict[str, Any],
+        run_info: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(config, run_info)
+        self.per_item = per_item
+        self.summary = summarise(per_item, str(config.get("task", "task")))
 
     def plot(self, path: str | Path | None = None) -> Any:
         from ..presentation.faithfulness_plots import plot_downstream
 
         return plot_downstream(self.summary, path=path)
+
+    def write_summary(self, folder: Path) -> None:
+        write_csv(folder / SUMMARY, self.summary)
+
+    def write_files(self, folder: Path) -> None:
+        write_csv(folder / PER_ITEM, self.per_item)
+        self.write_summary(folder)
+
+    @classmethod
+    def from_files(
+        cls, folder: Path, config: dict[str, Any], run_info: dict[str, Any]
+    ) -> DownstreamResult:
+        return cls(per_item_frame(read_csv(folder / PER_ITEM)), config, run_info)
+
+
+def per_item_frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
+    """Rows (as computed, or as read back from CSV) as a typed frame sorted by item."""
+    frame = pd.DataFrame(list(rows))
+    if frame.empty:
+        return frame
+    for col in ("item", "answer", "pick", "correct", "clean_pick", "clean_correct",
+                "n_prompt_tokens"):  # fmt: skip
+        frame[col] = frame[col].astype(int)
+    frame["rate"] = frame["rate"].astype(float)
+    return frame.sort_values(["item"], kind="stable").reset_index(drop=True)
+
+
+@dataclass
+class DownstreamOptions(Options):
+    """Options of :func:`downstream` and ``cw downstream`` (checked on creation)."""
+
+    measures: list[str] = option(
+        DEFAULT_MEASURES, "comma-separated measures (any registered measure)",
+        flag="--measures", parse="names",
+    )  # fmt: skip
+    rates: list[float] = option(
+        DEFAULT_RATES, "removal rates p, each in [0, 1]", flag="--rates", parse="floats"
+    )
+    protect_sinks: bool = option(
+        True, "let sink tokens be removed too (appendix C.3)",
+        flag="--no-sink-protection", parse="no-flag",
+    )  # fmt: skip
+    max_tokens: int = option(
+        512, "skip items whose prompt plus longest option exceed N tokens",
+        flag="--max-tokens", parse="int",
+    )  # fmt: skip
+    sink_cosine: float = option(
+        SINK_COSINE,
+        "a token is a sink at a layer when its layer-input hidden state has cosine above "
+        "this with token 0's",
+        flag="--sink-cosine", parse="float", aliases=("--sink-threshold",),
+    )  # fmt: skip
+
+    def validate(self) -> None:
+        self.measures = resolve_measures(self.measures)  # a string is a name or "a,b"
+        self.rates = check_rates(self.rates)
+        if int(self.max_tokens) < 2:
+            raise ValueError(
+                f"max_tokens must be at least 2 (a prompt token and an option token), "
+                f"got {self.max_tokens}"
+            )
+        self.max_tokens = int(self.max_tokens)
+        self.sink_cosine = check_sink_cosine(self.sink_cosine)
+        self.protect_sinks = bool(self.protect_sinks)
+
+    def removals(self) -> list[Removal]:
+        return [Removal(m, "sufficiency", r) for m in self.measures for r in self.rates]
+
+
+class Downstream(Experiment[DownstreamResult]):
+    """The downstream experiment: one unit per item, one row per (measure, rate)."""
+
+    name = "downstream"
+
+    def __init__(
+        self,
+        model: LoadedModel,
+        items: Sequence[ChoiceItem],
+        task: str,
+        options: DownstreamOptions,
+        *,
+        batch_size: int | None = None,
+        memory_bytes: int = DEFAULT_MEMORY_BYTES,
+    ) -> None:
+        if not items:
+            raise ValueError("no items given; load some with cw.data.load_task(task, n)")
+        self.model, self.items, self.task, self.options = model, list(items), task, options
+        self.batch_size, self.memory_bytes = batch_size, memory_bytes
+        self.removals = options.removals()
+
+    def config(self) -> dict[str, Any]:
+        o = self.options
+        return {
+            "experiment": self.name,
+            "task": self.task,
+            "model": self.model.name,
+            "measures": o.measures,
+            "rates": o.rates,
+            "protect_sinks": o.protect_sinks,
+            "sink_cosine": o.sink_cosine,
+            "max_tokens": o.max_tokens,
+            "n_items": len(self.items),
+            # resuming with other items (prompt, options or answer) is refused
+            "items_sha256": fingerprint([it.prompt, it.options, it.answer] for it in self.items),
+        }
+
+    def run(self, i: int) -> list[dict[str, Any]]:
+        item, o = self.items[i], self.options
+        prompt, options = encode_item(self.model, item)
+        length = len(prompt) + max(len(x) for x in options)
+        if length > o.max_tokens:
+            raise SkipUnit(f"{length} tokens (prompt and longest option) > max_tokens")
+        scores = option_scores(
+            self.model, prompt, options, [CLEAN, *self.removals],
+            protect_sinks=o.protect_sinks, sink_cosine=o.sink_cosine,
+            batch_size=self.batch_size, memory_bytes=self.memory_bytes,
+        )  # fmt: skip
+        picks = pick(scores).tolist()
+        clean_ok = int(picks[0] == item.answer)
+        return [
+            {
+                "item": i,
+                "measure": r.measure,
+                "rate": r.rate,
+                "answer": item.answer,
+                "pick": pk,
+                "correct": int(pk == item.answer),
+                "clean_pick": picks[0],
+                "clean_correct": clean_ok,
+                "n_prompt_tokens": len(prompt),
+            }
+            for r, pk in zip(self.removals, picks[1:], strict=True)
+        ]
+
+    def phases(self) -> Iterator[Phase]:
+        yield Phase(
+            f"downstream {self.task}",
+            range(len(self.items)),
+            self.run,
+            rows_file=PER_ITEM,
+            key="item",
+            rows_per_unit=len(self.removals),
+        )
+
+    def result(
+        self, rows: Mapping[str, list[dict[str, str]]], run_info: dict[str, Any]
+    ) -> DownstreamResult:
+        return DownstreamResult(per_item_frame(rows[PER_ITEM]), self.config(), run_info)
 
 
 def downstream(
@@ -125,92 +281,32 @@ def downstream(
     resume: bool = False,
     batch_size: int | None = None,
     *,
-    sink_threshold: float = SINK_COSINE,
+    sink_cosine: float = SINK_COSINE,
+    sink_threshold: float | None = None,
+    options: DownstreamOptions | None = None,
     memory_bytes: int = DEFAULT_MEMORY_BYTES,
     progress: bool = True,
 ) -> DownstreamResult:
     """Accuracy under sufficiency removal over the prompt tokens, per measure and rate.
 
-    Items whose prompt plus longest option exceed ``max_tokens`` are skipped (counted in
-    ``config["skipped"]``).
+    Items whose prompt plus longest option exceed ``max_tokens`` are skipped (listed with
+    the reason in ``result.run_info["skipped"]``). ``options`` (a
+    :class:`DownstreamOptions`), when given, replaces ``measures``, ``rates``,
+    ``protect_sinks``, ``max_tokens`` and ``sink_cosine`` (``sink_threshold``: its
+    deprecated older name). Run folder, resume and data parallel as :func:`faithfulness`.
     """
-    if not items:
-        raise ValueError("no items given; load some with cw.data.load_task(task, n)")
-    if max_tokens < 2:
-        raise ValueError(
-            f"max_tokens must be at least 2 (a prompt token and an option token), got {max_tokens}"
+    if options is None:
+        if sink_threshold is not None:
+            warnings.warn(
+                "downstream(sink_threshold=) is deprecated; use sink_cosine=",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            sink_cosine = sink_threshold
+        options = DownstreamOptions(
+            list(split_names(measures)), as_floats(rates), protect_sinks, max_tokens, sink_cosine
         )
-    names = resolve_measures(measures)  # a string is a name or "a,b", not letters
-    rate_list = sorted({float(r) for r in as_floats(rates)})
-    removals = [Removal(m, "sufficiency", r) for m in names for r in rate_list]
-    config = {
-        "experiment": "downstream",
-        "task": task,
-        "model": model.name,
-        "measures": names,
-        "rates": rate_list,
-        "protect_sinks": protect_sinks,
-        "sink_threshold": sink_threshold,
-        "max_tokens": max_tokens,
-        "n_items": len(items),
-        # resuming with other items (prompt, options or answer) is refused
-        "items_sha256": fingerprint([item.prompt, item.options, item.answer] for item in items),
-    }
-    folder = RunFolder(out, config, resume=resume) if out is not None else None
-    records: list[dict[str, Any]] = []
-    done: set[int] = set()
-    if folder is not None:  # an item is done only when all its rows were written
-        kept, keys = folder.complete_rows(PER_ITEM, "item", len(removals))
-        records, done = list(kept), {int(k) for k in keys}
-    skipped = 0
-    started = time.perf_counter()
-    bar = tqdm(total=len(items), initial=len(done), desc=f"downstream {task}", unit="item",
-               disable=not progress)  # fmt: skip
-    try:
-        for i, item in enumerate(items):
-            if i in done:
-                continue
-            prompt, options = encode_item(model, item)
-            if len(prompt) + max(len(o) for o in options) > max_tokens:
-                skipped += 1
-                bar.update(1)
-                continue
-            scores = option_scores(
-                model, prompt, options, [CLEAN, *removals], protect_sinks=protect_sinks,
-                sink_threshold=sink_threshold, batch_size=batch_size, memory_bytes=memory_bytes,
-            )  # fmt: skip
-            picks = pick(scores).tolist()
-            clean_ok = int(picks[0] == item.answer)
-            rows = [
-                {
-                    "item": i,
-                    "measure": r.measure,
-                    "rate": r.rate,
-                    "answer": item.answer,
-                    "pick": pk,
-                    "correct": int(pk == item.answer),
-                    "clean_pick": picks[0],
-                    "clean_correct": clean_ok,
-                    "n_prompt_tokens": len(prompt),
-                }
-                for r, pk in zip(removals, picks[1:], strict=True)
-            ]
-            if folder is not None:
-                folder.append_rows(PER_ITEM, rows)
-            records.extend(rows)
-            bar.update(1)
-    finally:
-        bar.close()
-    frame = pd.DataFrame(records)
-    if not frame.empty:
-        for col in ("item", "answer", "pick", "correct", "clean_pick", "clean_correct"):
-            frame[col] = frame[col].astype(int)
-        frame["rate"] = frame["rate"].astype(float)
-        frame = frame.sort_values(["item"], kind="stable").reset_index(drop=True)
-    config["skipped"] = skipped
-    config["seconds"] = round(time.perf_counter() - started, 1)
-    result = DownstreamResult(frame, summarise(frame, task), config)
-    if folder is not None:
-        result.summary.to_csv(folder.file(SUMMARY), index=False)
-        folder.write_json("run_info.json", {"skipped": skipped, "seconds": config["seconds"]})
-    return result
+    experiment = Downstream(
+        model, items, task, options, batch_size=batch_size, memory_bytes=memory_bytes
+    )
+    return run_experiment(experiment, out, resume=resume, progress=progress)

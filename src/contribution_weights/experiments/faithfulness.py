@@ -1,33 +1,44 @@
 """Faithfulness on language modelling (method §4, paper §5 and Figure 3).
 
 For each sequence, every (measure, mode, rate) configuration plus one clean row run as
-one batched forward (:func:`~.removal.token_logprobs`); the score is the perplexity of
+one batched forward (:func:`~..interventions.token_logprobs`); the score is the perplexity of
 the sequence, and each configuration is reported as ΔPPL = PPL_removed − PPL_clean and
 ΔNLL against the clean row of the same pass. Per-sequence rows are appended to
 ``per_sequence.csv`` as each sequence finishes, so an interrupted run resumes where it
-stopped.
+stopped. The run loop is :mod:`.runner`'s (resume, run_info, data parallel).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from ..inputs import encode
-from ..interventions import CLEAN, MODES, SCOPES, SINK_COSINE, Removal, global_thresholds
+from ..interventions import (
+    CLEAN,
+    DEFAULT_MEMORY_BYTES,
+    MODES,
+    SCOPES,
+    SINK_COSINE,
+    Removal,
+    global_thresholds,
+    mean_nll,
+    token_logprobs,
+)
 from ..loading import LoadedModel
 from ..measures.registry import resolve_measures
-from ..runs import RunFolder, fingerprint
-from .removal import DEFAULT_MEMORY_BYTES, mean_nll, token_logprobs
+from ..runs import fingerprint
+from .options import Options, as_floats, option, split_names
+from .result import ExperimentResult, read_csv, write_csv
+from .runner import Experiment, Phase, SkipUnit, run_experiment
 
 DEFAULT_MEASURES = ("attention", "vw", "vw_on", "ihc")
 DEFAULT_RATES = (0.1, 0.2, 0.3, 0.4, 0.5)
@@ -46,39 +57,54 @@ SUMMARY_COLUMNS = [
 
 
 @dataclass
-class FaithfulnessOptions:
-    """Options shared by :func:`faithfulness` and ``cw faithfulness``."""
+class FaithfulnessOptions(Options):
+    """Options of :func:`faithfulness` and ``cw faithfulness`` (checked on creation)."""
 
-    measures: Sequence[str] = DEFAULT_MEASURES
-    rates: Sequence[float] = DEFAULT_RATES
-    modes: Sequence[str] = MODES
-    protect_sinks: bool = True
-    scope: str = "layer"
-    max_tokens: int = 512
-    sink_threshold: float = SINK_COSINE
+    measures: list[str] = option(
+        DEFAULT_MEASURES, "comma-separated measures (any registered measure)",
+        flag="--measures", parse="names",
+    )  # fmt: skip
+    rates: list[float] = option(
+        DEFAULT_RATES, "removal rates p, each in [0, 1]", flag="--rates", parse="floats"
+    )
+    modes: list[str] = option(
+        MODES, "comprehensiveness and/or sufficiency", flag="--modes", parse="names"
+    )
+    protect_sinks: bool = option(
+        True, "let sink tokens be removed too (appendix C.3)",
+        flag="--no-sink-protection", parse="no-flag",
+    )  # fmt: skip
+    scope: str = option("layer", "ranking scope", flag="--scope", choices=SCOPES)
+    max_tokens: int = option(
+        512, "keep the first N tokens of longer texts (texts under 2 tokens are skipped)",
+        flag="--max-tokens", parse="int",
+    )  # fmt: skip
+    sink_cosine: float = option(
+        SINK_COSINE,
+        "a token is a sink at a layer when its layer-input hidden state has cosine above "
+        "this with token 0's",
+        flag="--sink-cosine", parse="float", aliases=("--sink-threshold",),
+    )  # fmt: skip
 
-    def check(self) -> FaithfulnessOptions:
-        measures = resolve_measures(self.measures)  # a string is a name or "a,b", not letters
-        modes = list(dict.fromkeys(split_names(self.modes)))
-        for m in modes:
+    def validate(self) -> None:
+        self.measures = resolve_measures(self.measures)  # a string is a name or "a,b"
+        self.modes = list(dict.fromkeys(split_names(self.modes)))
+        for m in self.modes:
             if m not in MODES:
                 raise ValueError(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
+        if not self.modes:
+            raise ValueError(f"no mode given; choose from {', '.join(MODES)}")
         if self.scope not in SCOPES:
             raise ValueError(f"unknown scope {self.scope!r}; choose from {', '.join(SCOPES)}")
-        rates = sorted({float(r) for r in as_floats(self.rates)})
-        if not rates or any(not 0 <= r <= 1 for r in rates):
-            raise ValueError(f"rates must be in [0, 1], got {list(self.rates)}")
-        if self.max_tokens < 2:
-            raise ValueError("max_tokens must be at least 2")
-        if not -1 <= self.sink_threshold <= 1:
-            raise ValueError(
-                f"sink_threshold is a cosine, in [-1, 1]; got {self.sink_threshold} "
-                f"(default {SINK_COSINE})"
-            )
-        return FaithfulnessOptions(
-            measures, rates, modes, self.protect_sinks, self.scope, self.max_tokens,
-            self.sink_threshold,
-        )  # fmt: skip
+        self.rates = check_rates(self.rates)
+        self.max_tokens = check_max_tokens(self.max_tokens)
+        self.sink_cosine = check_sink_cosine(self.sink_cosine)
+        self.protect_sinks = bool(self.protect_sinks)
+
+    def check(self) -> FaithfulnessOptions:
+        """Validated already on creation; kept for callers of the older API."""
+        self.validate()
+        return self
 
     def removals(self) -> list[Removal]:
         return [
@@ -87,16 +113,26 @@ class FaithfulnessOptions:
         ]
 
 
-def split_names(value: str | Sequence[str]) -> list[str]:
-    """``"a,b"`` or ``["a", "b"]`` -> ``["a", "b"]`` (a string is never split into letters)."""
-    if isinstance(value, str):
-        return [v.strip() for v in value.split(",") if v.strip()]
-    return list(value)
+def check_rates(rates: Any) -> list[float]:
+    """Sorted distinct removal rates, each in [0, 1]."""
+    out = sorted(set(as_floats(rates)))
+    if not out or any(not 0 <= r <= 1 for r in out):
+        raise ValueError(f"rates must be in [0, 1], got {rates}; pass e.g. 0.1,0.5")
+    return out
 
 
-def as_floats(value: float | Sequence[float]) -> list[float]:
-    """One rate or a sequence of rates as a list."""
-    return [float(value)] if isinstance(value, (int, float)) else [float(v) for v in value]
+def check_max_tokens(max_tokens: Any) -> int:
+    if int(max_tokens) < 2:
+        raise ValueError(f"max_tokens must be at least 2 (a token and its next), got {max_tokens}")
+    return int(max_tokens)
+
+
+def check_sink_cosine(value: Any) -> float:
+    if not -1 <= float(value) <= 1:
+        raise ValueError(
+            f"sink_cosine is a cosine, in [-1, 1]; got {value} (default {SINK_COSINE})"
+        )
+    return float(value)
 
 
 def sequence_rows(
@@ -115,7 +151,7 @@ def sequence_rows(
             ids.to(model.device),
             removals,
             protect_sinks=options.protect_sinks,
-            sink_threshold=options.sink_threshold,
+            sink_cosine=options.sink_cosine,
         )
     rows = [CLEAN, *removals]
     logp = token_logprobs(
@@ -124,7 +160,7 @@ def sequence_rows(
         rows,
         protect_sinks=options.protect_sinks,
         scope=options.scope,
-        sink_threshold=options.sink_threshold,
+        sink_cosine=options.sink_cosine,
         batch_size=batch_size,
         memory_bytes=memory_bytes,
     )
@@ -165,16 +201,18 @@ def summarise(per_sequence: pd.DataFrame) -> pd.DataFrame:
     return out[SUMMARY_COLUMNS]
 
 
-@dataclass
-class FaithfulnessResult:
-    """Per-sequence rows, their summary, and the run's configuration."""
+class FaithfulnessResult(ExperimentResult):
+    """Per-sequence rows, their summary, the run's configuration and run_info."""
 
-    per_sequence: pd.DataFrame
-    config: dict[str, Any]
-    summary: pd.DataFrame = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.summary = summarise(self.per_sequence)
+    def __init__(
+        self,
+        per_sequence: pd.DataFrame,
+        config: dict[str, Any],
+        run_info: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(config, run_info)
+        self.per_sequence = per_sequence
+        self.summary = summarise(per_sequence)
 
     def plot(self, path: str | Path | None = None) -> Any:
         """ΔPPL against rate, one line per measure, a panel per mode (matplotlib Figure)."""
@@ -186,20 +224,93 @@ class FaithfulnessResult:
         title = f"{c.get('model')} · {source} · n={n} · ≤{c.get('max_tokens')} tokens"
         return plot_faithfulness(self.summary, path=path, title=title)
 
-    def save(self, folder: str | Path) -> Path:
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        self.per_sequence.to_csv(folder / PER_SEQUENCE, index=False)
-        self.summary.to_csv(folder / SUMMARY, index=False)
-        return folder
+    def write_summary(self, folder: Path) -> None:
+        write_csv(folder / SUMMARY, self.summary)
+
+    def write_files(self, folder: Path) -> None:
+        write_csv(folder / PER_SEQUENCE, self.per_sequence)
+        self.write_summary(folder)
 
     @classmethod
-    def load(cls, folder: str | Path) -> FaithfulnessResult:
-        import json
+    def from_files(
+        cls, folder: Path, config: dict[str, Any], run_info: dict[str, Any]
+    ) -> FaithfulnessResult:
+        return cls(per_sequence_frame(read_csv(folder / PER_SEQUENCE)), config, run_info)
 
-        folder = Path(folder)
-        config = json.loads((folder / "config.json").read_text())
-        return cls(pd.read_csv(folder / PER_SEQUENCE), config)
+
+def per_sequence_frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
+    """Rows (as computed, or as read back from CSV) as a typed frame sorted by sequence."""
+    frame = pd.DataFrame(list(rows))
+    if frame.empty:
+        return frame
+    for col in ("seq", "n_tokens"):
+        frame[col] = frame[col].astype(int)
+    for col in ("rate", "nll", "ppl", "nll_clean", "ppl_clean", "delta_nll", "delta_ppl"):
+        frame[col] = frame[col].astype(float)
+    frame["threshold"] = pd.to_numeric(frame["threshold"], errors="coerce")  # NaN: layer scope
+    return frame.sort_values(["seq"], kind="stable").reset_index(drop=True)
+
+
+class Faithfulness(Experiment[FaithfulnessResult]):
+    """The faithfulness experiment: one unit per text, one row per configuration."""
+
+    name = "faithfulness"
+
+    def __init__(
+        self,
+        model: LoadedModel,
+        texts: Sequence[str],
+        options: FaithfulnessOptions,
+        *,
+        source: str | None = None,
+        batch_size: int | None = None,
+        memory_bytes: int = DEFAULT_MEMORY_BYTES,
+    ) -> None:
+        if isinstance(texts, str):
+            texts = [texts]
+        if not texts:
+            raise ValueError("no texts given; pass a list of texts (or --dataset/--texts/--file)")
+        self.model, self.texts, self.options = model, list(texts), options
+        self.source, self.batch_size, self.memory_bytes = source, batch_size, memory_bytes
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "experiment": self.name,
+            "model": self.model.name,
+            **self.options.to_dict(),
+            "n_texts": len(self.texts),
+            "texts_sha1": fingerprint(self.texts, algorithm="sha1"),  # sha1: older runs resume
+            "source": self.source,
+        }
+
+    def run(self, i: int) -> list[dict[str, Any]]:
+        text = self.texts[i]
+        if not text.strip():
+            raise SkipUnit("blank text")
+        ids = encode(self.model, text, self.options.max_tokens, truncate=True)
+        if ids.numel() < 2:
+            raise SkipUnit("fewer than 2 tokens: no next token to score")
+        rows = sequence_rows(
+            self.model, ids, self.options,
+            batch_size=self.batch_size, memory_bytes=self.memory_bytes,
+        )  # fmt: skip
+        return [{"seq": i, **r} for r in rows]
+
+    def phases(self) -> Iterator[Phase]:
+        yield Phase(
+            "faithfulness",
+            range(len(self.texts)),
+            self.run,
+            rows_file=PER_SEQUENCE,
+            key="seq",
+            rows_per_unit=len(self.options.removals()),
+        )
+
+    def result(
+        self, rows: Mapping[str, list[dict[str, str]]], run_info: dict[str, Any]
+    ) -> FaithfulnessResult:
+        frame = per_sequence_frame(rows[PER_SEQUENCE])
+        return FaithfulnessResult(frame, self.config(), run_info)
 
 
 def faithfulness(
@@ -215,7 +326,8 @@ def faithfulness(
     resume: bool = False,
     batch_size: int | None = None,
     *,
-    sink_threshold: float = SINK_COSINE,
+    sink_cosine: float = SINK_COSINE,
+    sink_threshold: float | None = None,
     options: FaithfulnessOptions | None = None,
     memory_bytes: int = DEFAULT_MEMORY_BYTES,
     progress: bool = True,
@@ -224,78 +336,33 @@ def faithfulness(
     """Comprehensiveness and sufficiency of each measure on ``texts`` (method §4).
 
     Texts longer than ``max_tokens`` are truncated to their first ``max_tokens`` tokens;
-    blank texts and texts of fewer than 2 tokens are skipped (counted in
-    ``config["skipped"]``).
+    blank texts and texts of fewer than 2 tokens are skipped (listed with the reason in
+    ``result.run_info["skipped"]``).
     With ``out`` the run is written to that folder (``config.json``, ``per_sequence.csv``
-    appended per sequence, then ``summary.csv``; figures are the caller's:
-    ``result.plot(path)``, as ``cw faithfulness`` does); ``resume``
-    continues a run there, skipping finished sequences.
+    appended per sequence, then ``summary.csv`` and ``run_info.json``; figures are the
+    caller's: ``result.plot(path)``, as ``cw faithfulness`` does); ``resume``
+    continues a run there, skipping finished sequences. Launched with several processes
+    (``accelerate launch -m contribution_weights faithfulness ...``) the sequences are
+    split over them (see :mod:`.runner`).
 
     ``options`` (a :class:`FaithfulnessOptions`, as ``cw faithfulness`` builds it), when
     given, is used instead of ``measures``, ``rates``, ``modes``, ``protect_sinks``,
-    ``scope``, ``max_tokens`` and ``sink_threshold``.
+    ``scope``, ``max_tokens`` and ``sink_cosine`` (``sink_threshold`` is its deprecated
+    older name).
     """
-    if isinstance(texts, str):
-        texts = [texts]
-    if not texts:
-        raise ValueError("no texts given; pass a list of texts (or --dataset/--texts/--file)")
     if options is None:
-        options = FaithfulnessOptions(
-            measures, rates, modes, protect_sinks, scope, max_tokens, sink_threshold
-        )
-    opts = options.check()
-    config = {
-        "experiment": "faithfulness",
-        "model": model.name,
-        **{k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in asdict(opts).items()},
-        "n_texts": len(texts),
-        "texts_sha1": fingerprint(texts, algorithm="sha1"),  # sha1: older runs resume
-        "source": source,
-    }
-    folder = RunFolder(out, config, resume=resume) if out is not None else None
-    rows: list[dict[str, Any]] = []
-    done: set[int] = set()
-    if folder is not None:  # a sequence is done only when all its rows were written
-        kept, keys = folder.complete_rows(PER_SEQUENCE, "seq", len(opts.removals()))
-        rows, done = list(kept), {int(k) for k in keys}
-    todo = [i for i in range(len(texts)) if i not in done]
-    bar = tqdm(total=len(texts), initial=len(done), desc="faithfulness", unit="seq",
-               disable=not progress)  # fmt: skip
-    started = time.perf_counter()
-    skipped = 0
-    try:
-        for i in todo:
-            ids = (
-                encode(model, texts[i], opts.max_tokens, truncate=True)
-                if texts[i].strip()
-                else None
+        if sink_threshold is not None:
+            warnings.warn(
+                "faithfulness(sink_threshold=) is deprecated; use sink_cosine=",
+                DeprecationWarning,
+                stacklevel=2,
             )
-            if ids is None or ids.numel() < 2:  # blank, or no next token to score
-                skipped += 1
-                bar.update(1)
-                continue
-            seq_rows = [
-                {"seq": i, **r}
-                for r in sequence_rows(
-                    model, ids, opts, batch_size=batch_size, memory_bytes=memory_bytes
-                )
-            ]
-            if folder is not None:
-                folder.append_rows(PER_SEQUENCE, seq_rows)
-            rows.extend(seq_rows)
-            bar.update(1)
-    finally:
-        bar.close()
-    frame = pd.DataFrame(rows)
-    if not frame.empty:
-        for col in ("seq", "n_tokens"):
-            frame[col] = frame[col].astype(int)
-        for col in ("rate", "nll", "ppl", "nll_clean", "ppl_clean", "delta_nll", "delta_ppl"):
-            frame[col] = frame[col].astype(float)
-        frame = frame.sort_values(["seq"], kind="stable").reset_index(drop=True)
-    config["skipped"] = skipped
-    config["seconds"] = round(time.perf_counter() - started, 1)
-    result = FaithfulnessResult(frame, config)
-    if folder is not None:
-        result.summary.to_csv(folder.file(SUMMARY), index=False)
-    return result
+            sink_cosine = sink_threshold
+        options = FaithfulnessOptions(
+            list(split_names(measures)), as_floats(rates), list(split_names(modes)),
+            protect_sinks, scope, max_tokens, sink_cosine,
+        )  # fmt: skip
+    experiment = Faithfulness(
+        model, texts, options, source=source, batch_size=batch_size, memory_bytes=memory_bytes
+    )
+    return run_experiment(experiment, out, resume=resume, progress=progress)

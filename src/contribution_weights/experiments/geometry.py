@@ -17,15 +17,28 @@ They all run on :class:`GeometryAccumulator`, a capture observer that feeds each
 :class:`~..measures.layer.LayerTensors` to the streaming statistics of :mod:`.stats` and
 :mod:`.sinks`, one sequence at a time. :func:`analyse` computes every analysis in one pass
 per sequence (plus the γ-batched sink-scaling passes) and returns a
-:class:`~.geometry_result.GeometryResult`; the ``cw geometry`` command adds a resumable
-run folder on top (:mod:`.geometry_run`).
+:class:`~.geometry_result.GeometryResult`.
+
+Runs. :class:`Geometry` is the experiment the runner (:mod:`.runner`) drives, and
+:func:`run_geometry` runs it into a run folder (what ``cw geometry`` does): phase 1
+folds each sequence into the accumulator, whose state (``state.pt``) is replaced
+atomically after every sequence; phase 2, the sink-value scaling passes (which need
+the sink layers detected from all of phase 1), appends one row per (sequence, γ) to
+``sink_scaling.csv``. An interrupted run resumed with the same options continues where
+it stopped. Split over processes, each process keeps its own accumulator and the main
+process merges them (sums add, moments combine, reservoirs keep the smallest keys of
+the union, each sequence's keys seeded by its number), so N processes give the tables
+of one (to float rounding of the sums). At the end ``tables.json``, ``per_layer.csv``,
+``norm_fit.csv`` and ``meta.json`` are written; figures and Markdown are the
+presentation layer's job.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -36,91 +49,27 @@ from torch import Tensor
 from ..capture import LayerCall, capturing, check_all_layers_seen
 from ..inputs import encode, resolve_layers
 from ..loading import LoadedModel
-from .geometry_result import GeometryResult, SinkScalingResult, build_result
-from .sinks import NormFit, SemanticCone, detect_sink_layers, sink_scaling_nll
-from .stats import (
-    BlockView,
-    ComponentPoints,
-    Entropy,
-    FirstTokenWeight,
-    LogCorrelations,
-    SinkAlignment,
-    SinkRate,
-    Stat,
+from ..runs import fingerprint
+from .geometry_result import (
+    ANALYSES,
+    DEFAULT_GAMMAS,
+    SCALING_FILE,
+    STATE_FILE,
+    GeometryOptions,
+    GeometryResult,
+    SinkScalingResult,
+    build_result,
+    make_stats,
+    resolve_analyses,
 )
-
-ANALYSES = (
-    "regression",
-    "correlations",
-    "first_token_weight",
-    "entropy",
-    "sink_alignment",
-    "sink_scaling",
-    "norm_fit",
-    "semantic_cone",
-    "joint_distributions",
-)
-DEFAULT_GAMMAS = (1.0, 0.8, 0.6, 0.4, 0.2, 0.0)
+from .runner import Experiment, Phase, run_experiment
+from .sinks import detect_sink_layers, sink_scaling_nll
+from .state_io import load_state, save_state
+from .stats import BlockView, SinkRate, Stat
 
 
 class NoSinkLayersWarning(UserWarning):
     """No sink layer was found, so the sink-value scaling passes were skipped."""
-
-
-@dataclass
-class GeometryOptions:
-    """Options shared by the analyses and ``cw geometry``.
-
-    Attributes:
-        max_tokens: texts longer than this are cut to their first ``max_tokens`` tokens.
-        cap: most sampled (query, key, head, layer) points kept for the regressions (per
-            reservoir: all pairs, and j = 0 pairs).
-        folds: cross-validation folds of the regressions.
-        seed: seed of the point sampling and of the folds.
-        gammas: sink-value scales for the perplexity curve.
-        sink_layers: layers to scale v_0 in; None detects them (mean α_i0 > threshold).
-        sink_threshold: the detection threshold on the layer's mean α_i0.
-        low_quantile: outputs at or below this quantile of ‖o_i^(h)‖ count as low-norm.
-        cone_coverage: fraction of non-sink values the semantic cone holds.
-    """
-
-    max_tokens: int | None = 256
-    cap: int = 5_000_000
-    folds: int = 5
-    seed: int = 0
-    gammas: Sequence[float] = DEFAULT_GAMMAS
-    sink_layers: Sequence[int] | None = None
-    sink_threshold: float = 0.5
-    low_quantile: float = 0.25
-    cone_coverage: float = 0.9
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dict(vars(self))
-        d["gammas"] = [float(g) for g in self.gammas]
-        d["sink_layers"] = None if self.sink_layers is None else [int(x) for x in self.sink_layers]
-        return d
-
-
-def resolve_analyses(only: str | Iterable[str] | None) -> list[str]:
-    """``None`` (all), a comma-separated string, or names; checked against :data:`ANALYSES`."""
-    if only is None:
-        return list(ANALYSES)
-    names = [n.strip() for n in only.split(",")] if isinstance(only, str) else list(only)
-    aliases = {
-        "regression_r2": "regression",
-        "log_regression_r2": "regression",
-        "joint": "joint_distributions",
-    }
-    out: list[str] = []
-    for name in filter(None, names):
-        name = aliases.get(name, name)
-        if name not in ANALYSES:
-            raise ValueError(f"unknown analysis {name!r}; valid: {', '.join(ANALYSES)}")
-        if name not in out:
-            out.append(name)
-    if not out:
-        raise ValueError(f"no analysis named; valid: {', '.join(ANALYSES)}")
-    return out
 
 
 @dataclass
@@ -134,24 +83,15 @@ class GeometryAccumulator:
     dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
-        o, n, h = self.options, self.num_layers, self.num_heads
-        want = set(self.analyses)
-        self.stats: dict[str, Stat] = {"sink_rate": SinkRate(n)}
-        if want & {"regression", "joint_distributions"}:
-            self.stats["points"] = ComponentPoints(n, o.cap, o.seed)
-        if "correlations" in want:
-            self.stats["correlations"] = LogCorrelations(n)
-        if "first_token_weight" in want:
-            self.stats["first_token_weight"] = FirstTokenWeight(n)
-        if "entropy" in want:
-            self.stats["entropy"] = Entropy(n)
-        if "sink_alignment" in want:
-            self.stats["sink_alignment"] = SinkAlignment(n)
-        if "norm_fit" in want:
-            self.stats["norm_fit"] = NormFit(n, h)
-        if "semantic_cone" in want:
-            self.stats["semantic_cone"] = SemanticCone(n, h, o.low_quantile, o.cone_coverage)
+        self.reset()
+
+    def reset(self) -> None:
+        """Empty statistics (no sequence seen)."""
+        self.stats: dict[str, Stat] = make_stats(
+            self.analyses, self.num_layers, self.num_heads, self.options
+        )
         self.sequences = 0
+        self.units: list[int] = []  # the sequences folded in, by their number in the run
         self.scaling_nll: list[list[float]] = []  # per sequence, one NLL per γ
         self.sink_layers: list[int] | None = None
         self.scaling_skipped: str | None = None  # why the sink-scaling passes did not run
@@ -159,11 +99,17 @@ class GeometryAccumulator:
         self._scratch: dict[int, dict[str, Any]] = {}
 
     # ---- observer protocol -----------------------------------------------------------
-    def begin_sequence(self, num_tokens: int) -> None:
+    def begin_sequence(self, num_tokens: int, unit: int | None = None) -> None:
+        """A sequence starts; ``unit`` is its number in the run (default: the next one).
+
+        The number seeds the sampling of its points, so a run split over processes
+        samples exactly what one process would.
+        """
+        self._unit = self.sequences if unit is None else int(unit)
         self._tokens = num_tokens
         self._scratch = {}
         for stat in self.stats.values():
-            stat.begin(num_tokens)
+            stat.begin(num_tokens, self._unit)
 
     def observe(self, call: LayerCall, rows: slice, probs: Tensor) -> None:
         if call.batch != 1:
@@ -178,11 +124,12 @@ class GeometryAccumulator:
         for stat in self.stats.values():
             stat.end()
         self.sequences += 1
+        self.units.append(self._unit)
 
     # ---- running -------------------------------------------------------------------
-    def add_sequence(self, model: LoadedModel, ids: Tensor) -> None:
-        """One clean forward pass of ``ids (T,)`` through every statistic."""
-        self.begin_sequence(int(ids.numel()))
+    def add_sequence(self, model: LoadedModel, ids: Tensor, unit: int | None = None) -> None:
+        """One clean forward pass of ``ids (T,)`` (sequence ``unit`` of the run)."""
+        self.begin_sequence(int(ids.numel()), unit)
         with torch.no_grad(), capturing(model.model, [self]) as session:
             model.model(input_ids=ids[None].to(model.device), use_cache=False)
             check_all_layers_seen(session, model.num_layers)
@@ -198,7 +145,7 @@ class GeometryAccumulator:
             rate = self.stats["sink_rate"]
             assert isinstance(rate, SinkRate)
             self.sink_layers = detect_sink_layers(
-                rate.by_layer()[:, 0], self.options.sink_threshold
+                rate.by_layer()[:, 0], self.options.sink_layer_threshold
             )
         return self.sink_layers
 
@@ -220,42 +167,59 @@ class GeometryAccumulator:
             top = int(np.nanargmax(by_layer)) if np.isfinite(by_layer).any() else None
             highest = "" if top is None else f" (highest {by_layer[top]:.3f}, layer {top})"
             self.scaling_skipped = (
-                "no layer has mean α_i0 above the sink threshold "
-                f"{self.options.sink_threshold}{highest}; pass --sink-layers "
-                "(GeometryOptions.sink_layers) or a lower --sink-threshold to scale v_0 anyway"
+                "no layer has mean α_i0 above the sink-layer threshold "
+                f"{self.options.sink_layer_threshold}{highest}; pass --sink-layers "
+                "(GeometryOptions.sink_layers) or a lower --sink-layer-threshold to scale v_0 "
+                "anyway"
             )
         message = f"sink-value scaling skipped: {self.scaling_skipped}"
         warnings.warn(message, NoSinkLayersWarning, stacklevel=2)
         return False
 
-    def add_scaling(self, model: LoadedModel, ids: Tensor) -> None:
-        """The sink-value scaling passes of one sequence (after sink layers are fixed)."""
+    def scaling(self, model: LoadedModel, ids: Tensor) -> list[float]:
+        """The mean NLL per γ of one sequence with v_0 scaled in the sink layers (NaN for a
+        sequence too short to score)."""
         layers = self.resolve_sink_layers()
         if ids.numel() < 2:  # no next token to predict: recorded as missing
-            self.scaling_nll.append([float("nan")] * len(self.options.gammas))
-            return
-        self.scaling_nll.append(sink_scaling_nll(model, ids, self.options.gammas, layers))
+            return [float("nan")] * len(self.options.gammas)
+        return sink_scaling_nll(model, ids, self.options.gammas, layers)
+
+    def add_scaling(self, model: LoadedModel, ids: Tensor) -> None:
+        """The sink-value scaling passes of one sequence (after sink layers are fixed)."""
+        self.scaling_nll.append(self.scaling(model, ids))
 
     def result(self) -> GeometryResult:
-        return build_result(self)
+        return build_result(
+            self.stats, self.analyses, self.options, self.num_layers, self.sequences,
+            self.sink_layers, self.scaling_nll, self.scaling_skipped,
+        )  # fmt: skip
 
     # ---- persistence -----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {
             "sequences": self.sequences,
-            "scaling_nll": self.scaling_nll,
-            "sink_layers": self.sink_layers,
-            "scaling_skipped": self.scaling_skipped,
+            "units": list(self.units),
+            "num_layers": self.num_layers,
+            "num_heads": self.num_heads,
             "stats": {k: s.state_dict() for k, s in self.stats.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.sequences = int(state["sequences"])
-        self.scaling_nll = [list(x) for x in state["scaling_nll"]]
-        self.sink_layers = state["sink_layers"]
-        self.scaling_skipped = state.get("scaling_skipped")
+        # run folders written before units were recorded ran their sequences in order
+        self.units = [int(u) for u in state.get("units", range(self.sequences))]
         for key, stat in self.stats.items():
             stat.load_state_dict(state["stats"][key])
+
+    def merge_state(self, state: dict[str, Any]) -> None:
+        """Fold in the state of an accumulator over other sequences (another process's)."""
+        units = [int(u) for u in state.get("units", [])]
+        if set(units) & set(self.units):
+            raise ValueError("cannot merge accumulator states that share sequences")
+        self.sequences += int(state["sequences"])
+        self.units = sorted([*self.units, *units])
+        for key, stat in self.stats.items():
+            stat.merge(state["stats"][key])
 
 
 def encode_texts(
@@ -265,6 +229,94 @@ def encode_texts(
     return [encode(model, t, max_tokens, truncate=True) for t in texts]
 
 
+class Geometry(Experiment[GeometryResult]):
+    """The geometry analyses: phase 1 folds each sequence into the accumulator (a
+    mergeable state); phase 2 scales the sink values, one row per (sequence, γ)."""
+
+    name = "geometry"
+
+    def __init__(
+        self,
+        model: LoadedModel,
+        texts: Sequence[str | Sequence[int] | Tensor],
+        analyses: str | Sequence[str] | None = None,
+        options: GeometryOptions | None = None,
+        source: str = "",
+    ) -> None:
+        if not texts:
+            raise ValueError("no texts to analyse; pass --n 1 or more, or a non-empty file")
+        self.model, self.texts, self.source = model, list(texts), source
+        self.options = options or GeometryOptions()
+        self.analyses = resolve_analyses(analyses)
+        self.acc = GeometryAccumulator(
+            model.num_layers, model.num_heads, self.analyses, self.options
+        )
+        self.ids = encode_texts(model, self.texts, self.options.max_tokens)
+
+    def config(self) -> dict[str, Any]:
+        texts = [t if isinstance(t, str) else [int(x) for x in t] for t in self.texts]
+        return {
+            "experiment": self.name,
+            "model": self.model.name,
+            "source": self.source,
+            "n_texts": len(self.texts),
+            "texts_sha256": fingerprint(texts),
+            "analyses": self.analyses,
+            **self.options.to_dict(),
+        }
+
+    def observe(self, i: int) -> None:
+        self.acc.add_sequence(self.model, self.ids[i], unit=i)
+
+    def scale(self, i: int) -> list[dict[str, Any]]:
+        nll = self.acc.scaling(self.model, self.ids[i])
+        return [
+            {"seq": i, "gamma": g, "nll": v} for g, v in zip(self.options.gammas, nll, strict=True)
+        ]
+
+    def phases(self) -> Iterator[Phase]:
+        n = len(self.ids)
+        yield Phase(
+            "geometry", range(n), lambda i: self.observe(i), state=self.acc,
+            state_file=STATE_FILE, load_state=load_state, write_state=save_state,
+        )  # fmt: skip
+        if "sink_scaling" in self.analyses and self.acc.plan_scaling():
+            yield Phase(
+                "sink scaling", range(n), self.scale, rows_file=SCALING_FILE, key="seq",
+                rows_per_unit=len(self.options.gammas),
+            )  # fmt: skip
+
+    def result(
+        self, rows: Mapping[str, list[dict[str, str]]], run_info: dict[str, Any]
+    ) -> GeometryResult:
+        nll: dict[int, list[float]] = {}
+        for row in rows.get(SCALING_FILE, []):
+            nll.setdefault(int(row["seq"]), []).append(float(row["nll"]))
+        self.acc.scaling_nll = [nll[k] for k in sorted(nll)]
+        result = self.acc.result()
+        result.config, result.run_info = self.config(), run_info
+        result.tokens = [int(x.numel()) for x in self.ids]
+        result.state = self.acc.state_dict()
+        result.scaling_rows = list(rows.get(SCALING_FILE, []))
+        return result
+
+
+def run_geometry(
+    model: LoadedModel,
+    texts: Sequence[str | Sequence[int] | Tensor],
+    out: str | Path | None,
+    analyses: str | Sequence[str] | None = None,
+    options: GeometryOptions | None = None,
+    resume: bool = False,
+    progress: bool = True,
+    source: str = "",
+) -> GeometryResult:
+    """Run the geometry analyses over ``texts`` into the run folder ``out`` (resumable;
+    data parallel under ``accelerate launch``, see :mod:`.runner`)."""
+    experiment = Geometry(model, texts, analyses, options, source)
+    return run_experiment(experiment, out, resume=resume, progress=progress)
+
+
 def analyse(
     model: LoadedModel,
     texts: Iterable[str | Sequence[int] | Tensor],
@@ -272,19 +324,12 @@ def analyse(
     options: GeometryOptions | None = None,
     progress: bool = False,
 ) -> GeometryResult:
-    """Run the requested analyses (default: all) over ``texts``; see the module docstring."""
-    from tqdm.auto import tqdm
+    """Run the requested analyses (default: all) over ``texts``; see the module docstring.
 
-    options = options or GeometryOptions()
+    :func:`run_geometry` without a run folder.
+    """
     names = resolve_analyses(analyses)
-    acc = GeometryAccumulator(model.num_layers, model.num_heads, names, options)
-    ids = encode_texts(model, texts, options.max_tokens)
-    for seq in tqdm(ids, desc="geometry", disable=not progress):
-        acc.add_sequence(model, seq)
-    if "sink_scaling" in names and acc.plan_scaling():
-        for seq in tqdm(ids, desc="sink scaling", disable=not progress):
-            acc.add_scaling(model, seq)
-    return acc.result()
+    return run_geometry(model, list(texts), None, names, options, progress=progress)
 
 
 def _one(
@@ -362,10 +407,13 @@ def joint_distributions(
 
 __all__ = [
     "ANALYSES",
+    "DEFAULT_GAMMAS",
+    "Geometry",
     "GeometryAccumulator",
     "GeometryOptions",
     "GeometryResult",
     "NoSinkLayersWarning",
+    "SinkScalingResult",
     "analyse",
     "component_regression",
     "entropy",
@@ -374,6 +422,7 @@ __all__ = [
     "log_correlations",
     "norm_fit",
     "resolve_analyses",
+    "run_geometry",
     "semantic_cone",
     "sink_alignment",
     "sink_scaling",

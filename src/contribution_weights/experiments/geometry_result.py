@@ -1,7 +1,10 @@
-"""The result of the geometry analyses: tidy tables, and their JSON form (``tables.json``).
+"""The geometry analyses: their options, their registry, and their result.
 
-:class:`GeometryResult` holds one pandas table (or small dataclass) per analysis; fields
-of analyses that were not run are None. :meth:`GeometryResult.to_json` gives the dict
+Each analysis is one :class:`Analysis` registered by name (:func:`register_analysis`):
+the running statistics it needs, how they become its tables, its ``tables.json``
+entries, its figure and its Markdown section. :class:`GeometryResult` holds one pandas
+table (or small dataclass) per built-in analysis (``extra`` for others); fields of
+analyses that were not run are None. :meth:`GeometryResult.to_json` gives the dict
 written to ``tables.json`` with exactly the keys ``regression_r2``,
 ``log_regression_r2``, ``correlations``, ``first_token_weight``, ``entropy``,
 ``sink_alignment``, ``sink_scaling``, ``norm_fit``, ``semantic_cone``.
@@ -9,18 +12,106 @@ written to ``tables.json`` with exactly the keys ``regression_r2``,
 
 from __future__ import annotations
 
+import csv
+import io
+import json
 import math
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from .regression import regression_table
-from .stats import GROUPS, LOG_NAMES, WEIGHT_MEASURES
+from ..runs import RunFolder, upgraded_config
+from .options import Options, as_floats, option
+from .regression import regression_tables
+from .result import read_csv as read_rows
+from .sinks import NormFit, SemanticCone
+from .state_io import load_state, save_state
+from .stats import (
+    GROUPS,
+    LOG_NAMES,
+    WEIGHT_MEASURES,
+    ComponentPoints,
+    Entropy,
+    FirstTokenWeight,
+    LogCorrelations,
+    SinkAlignment,
+    SinkRate,
+    Stat,
+)
 
-if TYPE_CHECKING:
-    from .geometry import GeometryAccumulator
+DEFAULT_GAMMAS = (1.0, 0.8, 0.6, 0.4, 0.2, 0.0)
+SINK_LAYER_THRESHOLD = 0.5
+STATE_FILE = "state.pt"
+SCALING_FILE = "sink_scaling.csv"
+
+
+@dataclass
+class GeometryOptions(Options):
+    """Options shared by the analyses and ``cw geometry`` (checked on creation).
+
+    Attributes:
+        max_tokens: texts longer than this are cut to their first ``max_tokens`` tokens.
+        cap: most sampled (query, key, head, layer) points kept for the regressions (per
+            reservoir: all pairs, and j = 0 pairs).
+        folds: cross-validation folds of the regressions.
+        seed: seed of the point sampling and of the folds.
+        gammas: sink-value scales for the perplexity curve.
+        sink_layers: layers to scale v_0 in; None detects them (mean α_i0 above
+            ``sink_layer_threshold``).
+        sink_layer_threshold: a layer is a sink layer when its mean attention to token 0,
+            mean α_i0, is above this (a mean attention weight, in [0, 1]; not the
+            hidden-state cosine that marks sink tokens in faithfulness).
+        low_quantile: outputs at or below this quantile of ‖o_i^(h)‖ count as low-norm.
+        cone_coverage: fraction of non-sink values the semantic cone holds.
+    """
+
+    max_tokens: int | None = option(256, "cut texts to N tokens", flag="--max-tokens", parse="int")
+    cap: int = option(5_000_000, "sampled regression points", flag="--cap", parse="int")
+    folds: int = option(5, "cross-validation folds of the regressions")
+    seed: int = option(0, "sampling and fold seed", flag="--seed", parse="int")
+    gammas: list[float] = option(
+        DEFAULT_GAMMAS, "sink-value scales γ, each in [0, 1]", flag="--gammas", parse="floats"
+    )
+    sink_layers: list[int] | None = option(
+        None,
+        "layers to scale v_0 in, e.g. 2-29 (default: detected, mean α_i0 above "
+        "--sink-layer-threshold)",
+        flag="--sink-layers", parse="ints",
+    )  # fmt: skip
+    sink_layer_threshold: float = option(
+        SINK_LAYER_THRESHOLD,
+        "a layer is a sink layer when its mean attention to token 0 is above this",
+        flag="--sink-layer-threshold", parse="float", aliases=("--sink-threshold",),
+    )  # fmt: skip
+    low_quantile: float = option(0.25, "quantile of ‖o_i^(h)‖ at or below which it is low")
+    cone_coverage: float = option(0.9, "fraction of non-sink values the semantic cone holds")
+
+    def validate(self) -> None:
+        if self.max_tokens is not None and int(self.max_tokens) < 2:
+            raise ValueError(f"max_tokens must be at least 2, not {self.max_tokens}")
+        if int(self.cap) < 1:
+            raise ValueError(f"cap must be at least 1, not {self.cap}")
+        if int(self.folds) < 2:
+            raise ValueError(f"folds must be at least 2, not {self.folds}")
+        gammas = as_floats(self.gammas)
+        if not gammas or any(not 0 <= g <= 1 for g in gammas):
+            raise ValueError(f"gammas must lie in [0, 1], got {self.gammas}")
+        self.gammas = gammas
+        if self.sink_layers is not None:
+            self.sink_layers = [int(x) for x in self.sink_layers]
+        if not 0 <= float(self.sink_layer_threshold) <= 1:
+            raise ValueError(
+                "sink_layer_threshold is a mean attention weight, in [0, 1]; got "
+                f"{self.sink_layer_threshold} (default {SINK_LAYER_THRESHOLD})"
+            )
+        self.sink_layer_threshold = float(self.sink_layer_threshold)
+        if not 0 < float(self.low_quantile) < 1 or not 0 < float(self.cone_coverage) <= 1:
+            raise ValueError("low_quantile must lie in (0, 1) and cone_coverage in (0, 1]")
+
 
 JSON_KEYS = (
     "regression_r2",
@@ -70,6 +161,91 @@ class GeometryResult:
     semantic_cone: pd.DataFrame | None = None  # per layer fractions
     cone_snapshot: dict[str, Any] | None = None
     joint: pd.DataFrame | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # tables of registered analyses
+    analyses: list[str] = field(default_factory=list)  # the analyses that ran
+    # the run: its config and run_info, tokens per text, and what rebuilds the tables
+    config: dict[str, Any] = field(default_factory=dict)
+    run_info: dict[str, Any] = field(default_factory=dict)
+    tokens: list[int] | None = None
+    state: dict[str, Any] | None = field(default=None, repr=False)
+    scaling_rows: list[dict[str, Any]] = field(default_factory=list, repr=False)
+
+    def write_summary(self, folder: str | Path) -> None:
+        """``tables.json``, ``per_layer.csv``, ``norm_fit.csv`` and ``meta.json`` (atomic)."""
+        out = RunFolder.existing(folder, self.config)
+        out.write_json("tables.json", self.to_json())
+        per_layer = [self.sink_rate]
+        if self.first_token_weight_by_layer is not None:
+            per_layer.append(self.first_token_weight_by_layer.add_prefix("first_token_weight:"))
+        if self.entropy_by_layer is not None:
+            per_layer.append(self.entropy_by_layer.add_prefix("entropy:"))
+        if self.sink_alignment is not None:
+            per_layer.append(self.sink_alignment)
+        out.write_bytes("per_layer.csv", pd.concat(per_layer, axis=1).to_csv().encode())
+        if self.norm_fit is not None:
+            out.write_bytes("norm_fit.csv", self.norm_fit.to_csv(index=False).encode())
+        meta = {
+            "sequences": self.sequences,
+            "points": self.points,
+            "model": self.config.get("model"),
+        }
+        if self.tokens is not None:
+            meta["tokens"] = self.tokens
+        out.write_json("meta.json", meta)
+
+    def save(self, folder: str | Path) -> Path:
+        """Write the run's files (config, run_info, state, sink-scaling rows and the
+        tables) into ``folder``; :meth:`load` rebuilds this result from them."""
+        if self.state is None:
+            raise ValueError("this result has no accumulator state to save (build it with a run)")
+        out = RunFolder.existing(folder, self.config)
+        out.write_json("config.json", self.config, indent_sort=True)
+        out.write_json("run_info.json", self.run_info)
+        save_state(out.file(STATE_FILE), self.state)
+        if self.scaling_rows:
+            buf = io.StringIO()
+            writer = csv.DictWriter(buf, fieldnames=list(self.scaling_rows[0]), lineterminator="\n")
+            writer.writeheader()
+            writer.writerows(self.scaling_rows)
+            out.write_bytes(SCALING_FILE, buf.getvalue().encode())
+        self.write_summary(out.path)
+        return out.path
+
+    @classmethod
+    def load(cls, folder: str | Path) -> GeometryResult:
+        """The result of the run (or :meth:`save`) in ``folder``, rebuilt from its state."""
+        folder = Path(folder)
+        if not (folder / "config.json").is_file() or not (folder / STATE_FILE).is_file():
+            raise FileNotFoundError(
+                f"{folder} holds no geometry run (config.json and {STATE_FILE}); pass a folder "
+                "written by cw geometry or result.save()"
+            )
+        config = json.loads((folder / "config.json").read_text())
+        names = [f.name for f in fields(GeometryOptions)]
+        upgraded = upgraded_config(config)  # older runs' option names
+        options = GeometryOptions(**{k: upgraded[k] for k in names if k in upgraded})
+        state = load_state(folder / STATE_FILE)
+        analyses = list(config["analyses"])
+        stats = make_stats(analyses, int(state["num_layers"]), int(state["num_heads"]), options)
+        for key, stat in stats.items():
+            stat.load_state_dict(state["stats"][key])
+        rows = read_rows(folder / SCALING_FILE)
+        nll: dict[int, list[float]] = {}
+        for row in rows:
+            nll.setdefault(int(row["seq"]), []).append(float(row["nll"]))
+        tables = json.loads((folder / "tables.json").read_text())
+        scaling = tables.get("sink_scaling") or {}
+        result = build_result(
+            stats, analyses, options, int(state["num_layers"]), int(state["sequences"]),
+            scaling.get("layers"), [nll[k] for k in sorted(nll)], scaling.get("skipped"),
+        )  # fmt: skip
+        info = folder / "run_info.json"
+        result.config = config
+        result.run_info = json.loads(info.read_text()) if info.is_file() else {}
+        meta = folder / "meta.json"
+        result.tokens = json.loads(meta.read_text()).get("tokens") if meta.is_file() else None
+        result.state, result.scaling_rows = state, rows
+        return result
 
     @property
     def first_token_weight(self) -> dict[str, float] | None:
@@ -79,38 +255,14 @@ class GeometryResult:
         return {m: _num(self.first_token_weight_by_layer[m].mean()) for m in WEIGHT_MEASURES}
 
     def to_json(self) -> dict[str, Any]:
+        """The ``tables.json`` dict: :data:`JSON_KEYS` (None for analyses not run), then
+        the keys of any other registered analysis that ran."""
         out: dict[str, Any] = {key: None for key in JSON_KEYS}
-        if self.regression_r2 is not None and self.log_regression_r2 is not None:
-            out["regression_r2"] = _nested(self.regression_r2)
-            out["log_regression_r2"] = _nested(self.log_regression_r2)
-        if self.correlations_by_group is not None:
-            out["correlations"] = {g: _nested(t) for g, t in self.correlations_by_group.items()}
-        if self.first_token_weight is not None:
-            out["first_token_weight"] = self.first_token_weight
-        if self.entropy is not None:
-            out["entropy"] = {
-                row: {m: _num(self.entropy.loc[row, m]) for m in WEIGHT_MEASURES}
-                for row in ("all", "excluding_first")
-            }
-        if self.sink_alignment is not None:
-            t = self.sink_alignment
-            out["sink_alignment"] = {
-                "mean": {c: _num(t[c].mean()) for c in ("sink_tail", "tail_tail")},
-                "by_layer": _records(t.reset_index()),
-            }
-        if self.sink_scaling is not None:
-            out["sink_scaling"] = self.sink_scaling.to_json()
-        if self.norm_fit is not None:
-            out["norm_fit"] = {
-                "summary": norm_fit_summary(self.norm_fit),
-                "heads": _records(self.norm_fit),
-            }
-        if self.semantic_cone is not None:
-            c = self.semantic_cone
-            out["semantic_cone"] = {
-                "overall": _records(c[c.index == "all"])[0] if "all" in c.index else None,
-                "by_layer": _records(c[c.index != "all"].reset_index()),
-            }
+        for name in self.analyses or analysis_names():
+            analysis = get_analysis(name)
+            for key in analysis.json_entries():
+                out.setdefault(key, None)
+            out.update(analysis.to_json(self))
         return out
 
 
@@ -143,98 +295,6 @@ def _nested(t: pd.DataFrame) -> dict[str, dict[str, Any]]:
     return {str(c): {str(i): _num(t.loc[i, c]) for i in t.index} for c in t.columns}
 
 
-def build_result(acc: GeometryAccumulator) -> GeometryResult:
-    """Turn an accumulator's running statistics into tables."""
-    from .sinks import NormFit, SemanticCone
-    from .stats import (
-        ComponentPoints,
-        Entropy,
-        FirstTokenWeight,
-        LogCorrelations,
-        SinkAlignment,
-        SinkRate,
-    )
-
-    s, o, layers = acc.stats, acc.options, pd.RangeIndex(acc.num_layers, name="layer")
-    rate = s["sink_rate"]
-    assert isinstance(rate, SinkRate)
-    res = GeometryResult(
-        acc.sequences, acc.num_layers, pd.DataFrame(rate.by_layer(), layers, ["sink_rate"])
-    )
-    pts = s.get("points")
-    if isinstance(pts, ComponentPoints):
-        groups = {g: pts.group(g) for g in GROUPS}
-        res.points = {g: len(cols["alpha"]) for g, cols in groups.items()}
-        if "regression" in acc.analyses:
-            lin = {g: regression_table(c, False, o.folds, o.seed) for g, c in groups.items()}
-            log = {g: regression_table(c, True, o.folds, o.seed) for g, c in groups.items()}
-            res.regression_r2 = pd.DataFrame(lin).rename_axis("features")
-            res.log_regression_r2 = pd.DataFrame(log).rename_axis("features")
-        if "joint_distributions" in acc.analyses:
-            res.joint = pd.DataFrame({k: v for k, v in groups["all"].items() if k != "c"})
-    corr = s.get("correlations")
-    if isinstance(corr, LogCorrelations):
-        res.correlations_by_group = {
-            g: pd.DataFrame(m.correlation(), LOG_NAMES, LOG_NAMES).assign(n=m.n)
-            for g, m in corr.moments.items()
-        }
-        res.correlations = res.correlations_by_group["all"].drop(columns="n")
-    ftw = s.get("first_token_weight")
-    if isinstance(ftw, FirstTokenWeight):
-        res.first_token_weight_by_layer = pd.DataFrame(ftw.by_layer(), layers, list(ftw.columns))
-    ent = s.get("entropy")
-    if isinstance(ent, Entropy):
-        by_layer = pd.DataFrame(ent.by_layer(), layers, list(ent.columns))
-        res.entropy_by_layer = by_layer
-        means = by_layer.mean()
-        res.entropy = pd.DataFrame(
-            {m: [means[f"{m}:all"], means[f"{m}:excluding_first"]] for m in WEIGHT_MEASURES},
-            index=["all", "excluding_first"],
-        )
-    align = s.get("sink_alignment")
-    if isinstance(align, SinkAlignment):
-        res.sink_alignment = pd.DataFrame(align.by_layer(), layers, list(align.columns))
-    if "sink_scaling" in acc.analyses and acc.scaling_skipped:
-        empty = pd.DataFrame(columns=[*SCALING_COLUMNS])
-        res.sink_scaling = SinkScalingResult([], empty, acc.scaling_skipped)
-    elif "sink_scaling" in acc.analyses and acc.scaling_nll:  # NaN rows: too short
-        res.sink_scaling = _scaling(
-            acc.sink_layers or [], list(o.gammas), np.array(acc.scaling_nll)
-        )
-    fit = s.get("norm_fit")
-    if isinstance(fit, NormFit):
-        res.norm_fit = pd.DataFrame(fit.fit())
-        res.norm_points = {
-            (i, h): r.rows.numpy()
-            for i, row in enumerate(fit.points)
-            for h, r in enumerate(row)
-            if len(r)
-        }
-    cone = s.get("semantic_cone")
-    if isinstance(cone, SemanticCone):
-        cols = [
-            "low_inside_with_sink",
-            "low_inside_without_sink",
-            "all_inside_with_sink",
-            "all_inside_without_sink",
-        ]
-        table = pd.DataFrame(cone.fractions(), pd.Index(range(acc.num_layers), name="layer"), cols)
-        total = cone.counts.sum(0)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            overall = [
-                total[1] / total[0],
-                total[2] / total[0],
-                total[4] / total[3],
-                total[5] / total[3],
-            ]
-        table.index = table.index.astype(object)
-        table.loc["all"] = overall
-        table["low_norm_outputs"] = [int(x) for x in [*cone.counts[:, 0], total[0]]]
-        res.semantic_cone = table
-        res.cone_snapshot = dict(cone.snapshot)
-    return res
-
-
 def _scaling(layers: list[int], gammas: list[float], nll: np.ndarray) -> SinkScalingResult:
     """``nll (n_sequences, n_gammas)`` → mean ± standard error of PPL and NLL per γ.
 
@@ -261,3 +321,434 @@ def _scaling(layers: list[int], gammas: list[float], nll: np.ndarray) -> SinkSca
         }
     )
     return SinkScalingResult(layers, table)
+
+
+# ---- the analyses, registered by name -----------------------------------------------------
+@dataclass
+class TableContext:
+    """What an analysis builds its tables from: the run's statistics and its scaling passes."""
+
+    stats: dict[str, Stat]
+    options: GeometryOptions
+    num_layers: int
+    sink_layers: list[int] | None = None
+    scaling_nll: list[list[float]] | None = None
+    scaling_skipped: str | None = None
+    groups: dict[str, dict[str, np.ndarray]] | None = None  # the sampled points per group
+
+    @property
+    def layers(self) -> pd.RangeIndex:
+        return pd.RangeIndex(self.num_layers, name="layer")
+
+
+class Analysis:
+    """One geometry analysis, everything about it in one class.
+
+    ``stats`` names the running statistics it needs (shared by name: two analyses asking
+    for ``"points"`` share one sample); ``build`` turns them into its tables on the
+    :class:`GeometryResult` (a built-in field, or ``result.extra[name]``); ``to_json``
+    gives its entries of ``tables.json``; ``figure`` its matplotlib figure (or None);
+    ``markdown`` its section of ``tables.md``. Register an instance with
+    :func:`register_analysis` and ``cw geometry --only NAME`` runs it.
+    """
+
+    name: str = ""
+    aliases: tuple[str, ...] = ()
+    json_keys: tuple[str, ...] = ()  # default (name,)
+
+    def stats(self, num_layers: int, num_heads: int, options: GeometryOptions) -> dict[str, Stat]:
+        return {}
+
+    def build(self, ctx: TableContext, result: GeometryResult) -> None:
+        """Fill ``result`` with this analysis' tables."""
+
+    def to_json(self, result: GeometryResult) -> dict[str, Any]:
+        return {}
+
+    def figure(self, result: GeometryResult, title: str = "") -> Any:
+        return None
+
+    def markdown(self, result: GeometryResult) -> list[str]:
+        return []
+
+    def json_entries(self) -> tuple[str, ...]:
+        return self.json_keys or (self.name,)
+
+
+_REGISTRY: dict[str, Analysis] = {}
+
+
+def register_analysis(analysis: Analysis) -> Analysis:
+    """Add (or replace) an analysis by its name; returns it."""
+    if not analysis.name:
+        raise ValueError("an analysis needs a name")
+    _REGISTRY[analysis.name] = analysis
+    return analysis
+
+
+def get_analysis(name: str) -> Analysis:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown analysis {name!r}; valid: {', '.join(_REGISTRY)}") from None
+
+
+def analysis_names() -> list[str]:
+    """Every registered analysis, built-in ones first, in order."""
+    return list(_REGISTRY)
+
+
+def resolve_analyses(only: str | Iterable[str] | None) -> list[str]:
+    """``None`` (all), a comma-separated string, or names (or aliases) of registered analyses."""
+    if only is None:
+        return analysis_names()
+    names = [n.strip() for n in only.split(",")] if isinstance(only, str) else list(only)
+    aliases = {alias: a.name for a in _REGISTRY.values() for alias in a.aliases}
+    out: list[str] = []
+    for name in filter(None, names):
+        name = get_analysis(aliases.get(name, name)).name
+        if name not in out:
+            out.append(name)
+    if not out:
+        raise ValueError(f"no analysis named; valid: {', '.join(_REGISTRY)}")
+    return out
+
+
+def make_stats(
+    analyses: Sequence[str], num_layers: int, num_heads: int, options: GeometryOptions
+) -> dict[str, Stat]:
+    """The running statistics the analyses need (``sink_rate`` always: it finds sink layers)."""
+    stats: dict[str, Stat] = {"sink_rate": SinkRate(num_layers)}
+    for name in analyses:
+        for key, stat in get_analysis(name).stats(num_layers, num_heads, options).items():
+            stats.setdefault(key, stat)
+    return stats
+
+
+def build_result(
+    stats: dict[str, Stat],
+    analyses: Sequence[str],
+    options: GeometryOptions,
+    num_layers: int,
+    sequences: int,
+    sink_layers: list[int] | None = None,
+    scaling_nll: list[list[float]] | None = None,
+    scaling_skipped: str | None = None,
+) -> GeometryResult:
+    """Turn running statistics (and the sink-scaling NLLs per sequence) into tables."""
+    ctx = TableContext(stats, options, num_layers, sink_layers, scaling_nll, scaling_skipped)
+    rate = stats["sink_rate"]
+    assert isinstance(rate, SinkRate)
+    res = GeometryResult(
+        sequences, num_layers, pd.DataFrame(rate.by_layer(), ctx.layers, ["sink_rate"])
+    )
+    res.analyses = list(analyses)
+    pts = stats.get("points")
+    if isinstance(pts, ComponentPoints):  # the sample's columns, read once for every analysis
+        ctx.groups = {g: pts.group(g) for g in GROUPS}
+        res.points = {g: len(cols["alpha"]) for g, cols in ctx.groups.items()}
+    for name in analyses:
+        get_analysis(name).build(ctx, res)
+    return res
+
+
+def _figure(name: str) -> Any:
+    """A plotting function of the presentation layer (imported when a figure is drawn)."""
+    from ..presentation import geometry_plots
+
+    return getattr(geometry_plots, name)
+
+
+def _points_stat(n: int, h: int, o: GeometryOptions) -> dict[str, Stat]:
+    return {"points": ComponentPoints(n, o.cap, o.seed)}
+
+
+class Regression(Analysis):
+    """Tables 1 and 3: held-out R² of ĉ on its components, linear and in logs."""
+
+    name = "regression"
+    aliases = ("regression_r2", "log_regression_r2")
+    json_keys = ("regression_r2", "log_regression_r2")
+
+    def stats(self, num_layers: int, num_heads: int, options: GeometryOptions) -> dict[str, Stat]:
+        return _points_stat(num_layers, num_heads, options)
+
+    def build(self, ctx: TableContext, result: GeometryResult) -> None:
+        assert ctx.groups is not None
+        lin, log = regression_tables(ctx.groups, ctx.options.folds, ctx.options.seed)
+        result.regression_r2 = pd.DataFrame(lin).rename_axis("features")
+        result.log_regression_r2 = pd.DataFrame(log).rename_axis("features")
+
+    def to_json(self, result: GeometryResult) -> dict[str, Any]:
+        if result.regression_r2 is None or result.log_regression_r2 is None:
+            return {}
+        return {
+            "regression_r2": _nested(result.regression_r2),
+            "log_regression_r2": _nested(result.log_regression_r2),
+        }
+
+
+class Correlations(Analysis):
+    """Table 2: Pearson correlations of log α, log r, log|κ| (exact, every valid pair)."""
+
+    name = "correlations"
+
+    def stats(self, num_layers: int, num_heads: int, options: GeometryOptions) -> dict[str, Stat]:
+        return {"correlations": LogCorrelations(num_layers)}
+
+    def build(self, ctx: TableContext, result: GeometryResult) -> None:
+        corr = ctx.stats["correlations"]
+        assert isinstance(corr, LogCorrelations)
+        result.correlations_by_group = {
+            g: pd.DataFrame(m.correlation(), LOG_NAMES, LOG_NAMES).assign(n=m.n)
+            for g, m in corr.moments.items()
+        }
+        result.correlations = result.correlations_by_group["all"].drop(columns="n")
+
+    def to_json(self, result: GeometryResult) -> dict[str, Any]:
+        if result.correlations_by_group is None:
+            return {}
+        return {"correlations": {g: _nested(t) for g, t in result.correlations_by_group.items()}}
+
+
+class FirstTokenWeightAnalysis(Analysis):
+    """Table 4: the first-token weight per layer and its mean over layers."""
+
+    name = "first_token_weight"
+
+    def stats(self, num_layers: int, num_heads: int, options: GeometryOptions) -> dict[str, Stat]:
+        return {"first_token_weight": FirstTokenWeight(num_layers)}
+
+    def build(self, ctx: TableContext, result: GeometryResult) -> None:
+        ftw = ctx.stats["first_token_weight"]
+        assert isinstance(ftw, FirstTokenWeight)
+        result.first_token_weight_by_layer = pd.DataFrame(
+            ftw.by_layer(), ctx.layers, list(ftw.columns)
+        )
+
+    def to_json(self, result: GeometryResult) -> dict[str, Any]:
+        return (
+            {}
+            if result.first_token_weight is None
+            else {"first_token_weight": result.first_token_weight}
+        )
+
+    def figure(self, result: GeometryResult, title: str = "") -> Any:
+        if result.first_token_weight_by_layer is None:
+            return None
+        return _figure("plot_first_token_weight")(result.first_token_weight_by_layer, title)
+
+
+class EntropyAnalysis(Analysis):
+    """Table 5: entropy of each weight measure, with and without token 0."""
+
+    name = "entropy"
+
+    def stats(self, num_layers: int, num_heads: int, options: GeometryOptions) -> dict[str, Stat]:
+        return {"entropy": Entropy(num_layers)}
+
+    def build(self, ctx: TableContext, result: GeometryResult) -> None:
+        ent = ctx.stats["entropy"]
+        assert isinstance(ent, Entropy)
+        by_layer = pd.DataFrame(ent.by_layer(), ctx.layers, list(ent.columns))
+        result.entropy_by_layer = by_layer
+        means = by_layer.mean()
+        result.entropy = pd.DataFrame(
+            {m: [means[f"{m}:all"], means[f"{m}:excluding_first"]] for m in WEIGHT_MEASURES},
+            index=["all", "excluding_first"],
+        )
+
+    def to_json(self, result: GeometryResult) -> dict[str, Any]:
+        if result.entropy is None:
+            return {}
+        t = result.entropy
+        return {
+            "entropy": {
+                row: {m: _num(t.loc[row, m]) for m in WEIGHT_MEASURES}
+                for row in ("all", "excluding_first")
+            }
+        }
+
+
+class SinkAlignmentAnalysis(Analysis):
+    """Figure 5: per layer, mean cos(ṽ_0, ṽ_j) and cos(ṽ_i, ṽ_j)."""
+
+    name = "sink_alignment"
+
+    def stats(self, num_layers: int, num_heads: int, options: GeometryOptions) -> dict[str, Stat]:
+        return {"sink_alignment": SinkAlignment(num_layers)}
+
+    def build(self, ctx: TableContext, result: GeometryResult) -> None:
+        align = ctx.stats["sink_alignment"]
+        assert isinstance(align, SinkAlignment)
+        result.sink_alignment = pd.DataFrame(align.by_layer(), ctx.layers, list(align.columns))
+
+    def to_json(self, result: GeometryResult) -> dict[str, Any]:
+        t = result.sink_alignment
+        if t is None:
+            return {}
+        return {
+            "sink_alignment": {
+                "mean": {c: _num(t[c].mean()) for c in ("sink_tail", "tail_tail")},
+                "by_layer": _records(t.reset_index()),
+            }
+        }
+
+    def figure(self, result: GeometryResult, title: str = "") -> Any:
+        if result.sink_alignment is None:
+            return None
+        return _figure("plot_sink_alignment")(result.sink_alignment, title)
+
+
+class SinkScaling(Analysis):
+    """Figure 6c: perplexity with v_0 scaled by γ in the sink layers (its own passes)."""
+
+    name = "sink_scaling"
+
+    def build(self, ctx: TableContext, result: GeometryResult) -> None:
+        if ctx.scaling_skipped:
+            empty = pd.DataFrame(columns=[*SCALING_COLUMNS])
+            result.sink_scaling = SinkScalingResult([], empty, ctx.scaling_skipped)
+        elif ctx.scaling_nll:  # NaN rows: too short
+            result.sink_scaling = _scaling(
+                ctx.sink_layers or [], list(ctx.options.gammas), np.array(ctx.scaling_nll)
+            )
+
+    def to_json(self, result: GeometryResult) -> dict[str, Any]:
+        return (
+            {} if result.sink_scaling is None else {"sink_scaling": result.sink_scaling.to_json()}
+        )
+
+    def figure(self, result: GeometryResult, title: str = "") -> Any:
+        s = result.sink_scaling
+        if s is None or s.skipped:
+            return None
+        return _figure("plot_sink_scaling")(s.table, s.layers, title)
+
+
+class NormFitAnalysis(Analysis):
+    """§6.2: per head, the fit of ‖o‖² on the sink attention."""
+
+    name = "norm_fit"
+
+    def stats(self, num_layers: int, num_heads: int, options: GeometryOptions) -> dict[str, Stat]:
+        return {"norm_fit": NormFit(num_layers, num_heads)}
+
+    def build(self, ctx: TableContext, result: GeometryResult) -> None:
+        fit = ctx.stats["norm_fit"]
+        assert isinstance(fit, NormFit)
+        result.norm_fit = pd.DataFrame(fit.fit())
+        result.norm_points = {
+            (i, h): np.column_stack(list(r.to_numpy().values()))  # in key order
+            for i, row in enumerate(fit.points)
+            for h, r in enumerate(row)
+            if len(r)
+        }
+
+    def to_json(self, result: GeometryResult) -> dict[str, Any]:
+        if result.norm_fit is None:
+            return {}
+        return {
+            "norm_fit": {
+                "summary": norm_fit_summary(result.norm_fit),
+                "heads": _records(result.norm_fit),
+            }
+        }
+
+    def figure(self, result: GeometryResult, title: str = "") -> Any:
+        if result.norm_fit is None or not result.norm_points or result.norm_fit.empty:
+            return None
+        return _figure("plot_norm_fit")(result.norm_fit, result.norm_points, title)
+
+
+class SemanticConeAnalysis(Analysis):
+    """Figure 6a/b: low-norm head outputs inside the 90% cone, with and without the sink."""
+
+    name = "semantic_cone"
+
+    def stats(self, num_layers: int, num_heads: int, options: GeometryOptions) -> dict[str, Stat]:
+        return {
+            "semantic_cone": SemanticCone(
+                num_layers, num_heads, options.low_quantile, options.cone_coverage
+            )
+        }
+
+    def build(self, ctx: TableContext, result: GeometryResult) -> None:
+        cone = ctx.stats["semantic_cone"]
+        assert isinstance(cone, SemanticCone)
+        cols = [
+            "low_inside_with_sink",
+            "low_inside_without_sink",
+            "all_inside_with_sink",
+            "all_inside_without_sink",
+        ]
+        table = pd.DataFrame(cone.fractions(), pd.Index(range(ctx.num_layers), name="layer"), cols)
+        total = cone.counts.sum(0)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            overall = [
+                total[1] / total[0],
+                total[2] / total[0],
+                total[4] / total[3],
+                total[5] / total[3],
+            ]
+        table.index = table.index.astype(object)
+        table.loc["all"] = overall
+        table["low_norm_outputs"] = [int(x) for x in [*cone.counts[:, 0], total[0]]]
+        result.semantic_cone = table
+        result.cone_snapshot = dict(cone.snapshot)
+
+    def to_json(self, result: GeometryResult) -> dict[str, Any]:
+        c = result.semantic_cone
+        if c is None:
+            return {}
+        return {
+            "semantic_cone": {
+                "overall": _records(c[c.index == "all"])[0] if "all" in c.index else None,
+                "by_layer": _records(c[c.index != "all"].reset_index()),
+            }
+        }
+
+    def figure(self, result: GeometryResult, title: str = "") -> Any:
+        if not result.cone_snapshot:
+            return None
+        return _figure("plot_semantic_cone")(result.cone_snapshot, title=title)
+
+
+class JointDistributions(Analysis):
+    """Figure 7: the sampled (α, ‖ṽ‖, κ) pairs."""
+
+    name = "joint_distributions"
+    aliases = ("joint",)
+
+    def json_entries(self) -> tuple[str, ...]:
+        return ()  # a figure only: nothing in tables.json
+
+    def stats(self, num_layers: int, num_heads: int, options: GeometryOptions) -> dict[str, Stat]:
+        return _points_stat(num_layers, num_heads, options)
+
+    def build(self, ctx: TableContext, result: GeometryResult) -> None:
+        assert ctx.groups is not None
+        result.joint = pd.DataFrame({k: v for k, v in ctx.groups["all"].items() if k != "c"})
+
+    def figure(self, result: GeometryResult, title: str = "") -> Any:
+        if result.joint is None:
+            return None
+        return _figure("plot_joint_distributions")(result.joint, title)
+
+
+for _analysis in (
+    Regression(),
+    Correlations(),
+    FirstTokenWeightAnalysis(),
+    EntropyAnalysis(),
+    SinkAlignmentAnalysis(),
+    SinkScaling(),
+    NormFitAnalysis(),
+    SemanticConeAnalysis(),
+    JointDistributions(),
+):
+    register_analysis(_analysis)
+
+
+#: the built-in analyses, in their order in tables.json, tables.md and the figures
+ANALYSES = tuple(analysis_names())

@@ -47,22 +47,31 @@ def fold_indices(n: int, folds: int, seed: int = 0) -> list[np.ndarray]:
     return [np.sort(part) for part in np.array_split(perm, folds)]
 
 
-def cv_r2(x: np.ndarray, y: np.ndarray, folds: int = 5, seed: int = 0) -> float:
+def cv_r2(
+    x: np.ndarray,
+    y: np.ndarray,
+    folds: int = 5,
+    seed: int = 0,
+    parts: list[np.ndarray] | None = None,
+) -> float:
     """Mean held-out R² of OLS (with intercept) of ``y (n,)`` on ``x (n, k)``.
 
     Computed from per-fold sufficient statistics (the cross-products of [1, x, y]), so
     the data are read once whatever the number of folds. NaN with fewer than
-    ``2 * folds`` points.
+    ``2 * folds`` points. ``parts`` are the folds' indices when the caller already has
+    them (:func:`fold_indices` of ``len(y)``, shared by every fit on the same points).
     """
     y = np.asarray(y, dtype=np.float64)
     n = len(y)
     if n < 2 * folds:
         return float("nan")
+    if parts is None:
+        parts = fold_indices(n, folds, seed)
     x = np.asarray(x, dtype=np.float64).reshape(n, -1)
     z = np.column_stack([np.ones(n), x, y])  # (n, k + 2)
     k = z.shape[1] - 1
     stats = []
-    for test in fold_indices(n, folds, seed):
+    for test in parts:
         zt = z[test]
         stats.append(zt.T @ zt)
     total = np.sum(stats, axis=0)
@@ -100,7 +109,20 @@ def regression_table(
         feats = {k: np.asarray(cols[k], np.float64) for k in ("alpha", "r", "kappa")}
         y = np.asarray(cols["c"], np.float64)
         table = LINEAR_FEATURES
+    # every feature set is fitted on the same points: one fold partition for all of them
+    parts = fold_indices(len(y), folds, seed) if len(y) >= 2 * folds else None
     return {
-        name: cv_r2(np.column_stack(fn(feats)) if len(y) else np.empty((0, 1)), y, folds, seed)
+        name: cv_r2(
+            np.column_stack(fn(feats)) if len(y) else np.empty((0, 1)), y, folds, seed, parts
+        )
         for name, fn in table.items()
     }
+
+
+def regression_tables(
+    groups: Mapping[str, Columns], folds: int = 5, seed: int = 0
+) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+    """Tables 1 and 3 for every token group: ``({group: linear R²}, {group: log R²})``."""
+    lin = {g: regression_table(c, False, folds, seed) for g, c in groups.items()}
+    log = {g: regression_table(c, True, folds, seed) for g, c in groups.items()}
+    return lin, log

@@ -14,7 +14,7 @@
   sink's value set to 0 (o_i^(h) − α_i0 ṽ_0, the same layer inputs); counted for the
   low-norm outputs (the bottom ``low_quantile`` of ‖o_i^(h)‖ per head and sequence).
 * :func:`sink_scaling_nll` — perplexity when v_0 is multiplied by γ in the sink layers,
-  through :class:`SinkValueScale`, a capture intervention scaling attention column 0
+  through :class:`~..interventions.SinkValueScale`, a capture intervention scaling v_0
   (Σ_j α_ij v_j with v_0 → γ v_0 is the same as α_i0 → γ α_i0).
 """
 
@@ -30,9 +30,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..capture import LayerCall
+from ..interventions import DEFAULT_MEMORY_BYTES, SinkValueScale, intervened_logprobs, mean_nll
 from ..loading import LoadedModel
-from .removal import DEFAULT_MEMORY_BYTES, intervened_logprobs, mean_nll
 from .stats import BlockView, Stat
 from .streaming import Reservoir
 
@@ -77,6 +76,19 @@ class NormFit(Stat):
         self.n[layer] += a.shape[1]
         for h, res in enumerate(self.points[layer]):
             res.add([a[h].float(), y[h].float()])
+
+    def begin(self, num_tokens: int, unit: int = 0) -> None:
+        for i, row in enumerate(self.points):
+            for h, res in enumerate(row):
+                res.reseed(97 * i + h, unit)
+
+    def merge(self, state: dict[str, Any]) -> None:
+        super().merge(state)
+        for key in ("xtx", "xty", "yty", "ysum", "ysq", "n", "v0_sum", "v0_count"):
+            setattr(self, key, getattr(self, key) + state[key])
+        for row, row_state in zip(self.points, state["points"], strict=True):
+            for res, res_state in zip(row, row_state, strict=True):
+                res.merge(res_state)
 
     def fit(self) -> list[dict[str, Any]]:
         """One row per head: γ', κ'², A, the curve's q, α_min, convexity, R² of ‖o‖²."""
@@ -178,10 +190,18 @@ class SemanticCone(Stat):
         self.snapshot: dict[str, Tensor] = {}  # projections of the first sequence
         self._buf: dict[int, Tensor] = {}
         self._t = 0
+        self._unit = 0
 
-    def begin(self, num_tokens: int) -> None:
+    def begin(self, num_tokens: int, unit: int = 0) -> None:
         self._buf = {}
         self._t = num_tokens
+        self._unit = unit
+
+    def merge(self, state: dict[str, Any]) -> None:
+        super().merge(state)
+        self.counts = self.counts + state["counts"]
+        if state["snapshot"] and not self.snapshot:  # the first sequence's, wherever it ran
+            self.snapshot = dict(state["snapshot"])
 
     def observe(self, view: BlockView) -> None:
         if self._t < 3:
@@ -201,7 +221,7 @@ class SemanticCone(Stat):
             buf[k, :, view.rows] = ((cos >= geo.cos_cone[:, None]) & (norm > 0)).float()
             if k == 1:
                 buf[0, :, view.rows] = norm
-        if self.sequences == 0:
+        if self._unit == 0:  # the snapshot is of the run's first sequence
             self._snap(view, geo, out, no_sink)
 
     def _snap(self, view: BlockView, geo: ConeGeometry, out: Tensor, no_sink: Tensor) -> None:
@@ -245,21 +265,6 @@ class SemanticCone(Stat):
             )
 
 
-@dataclass
-class SinkValueScale:
-    """Intervention: attention column 0 times ``gammas[b]`` in ``layers`` (batch item b)."""
-
-    layers: frozenset[int]
-    gammas: Tensor  # (B,)
-
-    def column_scale(self, call: LayerCall) -> Tensor | None:
-        if call.layer_idx not in self.layers:
-            return None
-        scale = torch.ones(call.batch, call.num_heads, call.k_len, device=call.query.device)
-        scale[:, :, 0] = self.gammas.to(scale.device)[:, None]
-        return scale
-
-
 def sink_scaling_nll(
     model: LoadedModel,
     ids: Tensor,
@@ -271,7 +276,7 @@ def sink_scaling_nll(
 ) -> list[float]:
     """Mean NLL of one sequence for each γ (v_0 scaled by γ in ``layers``).
 
-    One batch row per γ, run by :func:`~.removal.intervened_logprobs` (chunked to fit
+    One batch row per γ, run by :func:`~..interventions.intervened_logprobs` (chunked to fit
     ``memory_bytes`` unless ``batch_size`` is given, halved on out-of-memory).
     """
     if ids.numel() < 2:

@@ -95,8 +95,8 @@ class Stat:
         self.num_layers = num_layers
         self.sequences = 0
 
-    def begin(self, num_tokens: int) -> None:
-        """A new sequence starts."""
+    def begin(self, num_tokens: int, unit: int = 0) -> None:
+        """A new sequence (number ``unit`` of the run) starts."""
 
     def observe(self, view: BlockView) -> None:
         raise NotImplementedError
@@ -112,6 +112,10 @@ class Stat:
         for key, value in state.items():
             setattr(self, key, value)
 
+    def merge(self, state: dict[str, Any]) -> None:
+        """Fold in the state of the same statistic over other sequences."""
+        self.sequences += int(state["sequences"])
+
 
 class LayerMeans(Stat):
     """Per-layer sums of per-sequence values, for means over sequences."""
@@ -126,9 +130,14 @@ class LayerMeans(Stat):
         self._seq = np.zeros((num_layers, k))
         self._seq_n = np.zeros((num_layers, k))
 
-    def begin(self, num_tokens: int) -> None:
+    def begin(self, num_tokens: int, unit: int = 0) -> None:
         self._seq[:] = 0
         self._seq_n[:] = 0
+
+    def merge(self, state: dict[str, Any]) -> None:
+        super().merge(state)
+        self.total = self.total + state["total"]
+        self.count = self.count + state["count"]
 
     def end(self) -> None:
         super().end()
@@ -236,8 +245,18 @@ class ComponentPoints(Stat):
 
     def __init__(self, num_layers: int, cap: int, seed: int = 0) -> None:
         super().__init__(num_layers)
+        self.seed = seed
         self.all = Reservoir((*POINT_COLUMNS, "first"), cap, seed)
         self.first = Reservoir(POINT_COLUMNS, cap, seed + 1)
+
+    def begin(self, num_tokens: int, unit: int = 0) -> None:
+        self.all.reseed(self.seed, unit)
+        self.first.reseed(self.seed + 1, unit)
+
+    def merge(self, state: dict[str, Any]) -> None:
+        super().merge(state)
+        self.all.merge(state["all"])
+        self.first.merge(state["first"])
 
     def observe(self, view: BlockView) -> None:
         pts = view.points
@@ -290,6 +309,11 @@ class LogCorrelations(Stat):
         self.moments["all"].add(logs)
         self.moments["first"].add(logs[first])
         self.moments["tail"].add(logs[~first])
+
+    def merge(self, state: dict[str, Any]) -> None:
+        super().merge(state)
+        for g, m in self.moments.items():
+            m.merge(state[g])
 
     def state_dict(self) -> dict[str, Any]:
         return {"sequences": self.sequences, **{g: m.state_dict() for g, m in self.moments.items()}}

@@ -92,6 +92,27 @@ class Reservoir:
             self.keys, self.rows = self.keys[best], self.rows[best]
             self._bound = float(self.keys.max())
 
+    def reseed(self, seed: int, unit: int) -> None:
+        """Draw the next keys from a generator fixed by ``(seed, unit)``.
+
+        Reseeded at the start of every sequence, each row's key depends only on its
+        sequence and place in it, so reservoirs filled in any order or split over
+        processes and then merged hold the same sample.
+        """
+        self._gen.manual_seed(int(np.random.SeedSequence([seed, unit]).generate_state(1)[0]))
+
+    def merge(self, other: Reservoir | dict[str, Any]) -> None:
+        """Fold in another reservoir (or its state) over disjoint rows: the ``cap`` smallest
+        keys of the union, which is the sample one reservoir fed every row would hold."""
+        state = other.state_dict() if isinstance(other, Reservoir) else other
+        self._prune()
+        self.seen += int(state["seen"])
+        self.keys = torch.cat([self.keys, state["keys"]])
+        self.rows = torch.cat([self.rows, state["rows"]])
+        self._prune()
+        if self.keys.numel() >= self.cap:
+            self._bound = float(self.keys.max())
+
     def column(self, name: str) -> Tensor:
         self._prune()
         return self.rows[:, self.columns.index(name)]
@@ -156,6 +177,22 @@ class Moments:
         out = np.divide(self.comoment, den, out=np.zeros_like(den), where=den > 0)
         np.fill_diagonal(out, 1.0)
         return out
+
+    def merge(self, state: dict[str, Any]) -> None:
+        """Fold in another stream's moments (Chan et al.'s pairwise update)."""
+        nb = int(state["n"])
+        if nb == 0:
+            return
+        mean_b = np.asarray(state["mean"], float)
+        n = self.n + nb
+        delta = mean_b - self.mean
+        self.comoment = (
+            self.comoment
+            + np.asarray(state["comoment"], float)
+            + np.outer(delta, delta) * (self.n * nb / n)
+        )
+        self.mean = self.mean + delta * (nb / n)
+        self.n = n
 
     def state_dict(self) -> dict[str, Any]:
         return {"names": self.names, "n": self.n, "mean": self.mean, "comoment": self.comoment}

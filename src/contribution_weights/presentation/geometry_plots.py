@@ -20,7 +20,13 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from ..experiments.geometry_result import GeometryResult, norm_fit_summary
+from ..experiments.geometry_result import (
+    ANALYSES,
+    GeometryResult,
+    analysis_names,
+    get_analysis,
+    norm_fit_summary,
+)
 from .figures import save
 
 COLOURS = {"attention": "tab:red", "vw": "tab:orange", "contribution": "tab:blue"}
@@ -181,16 +187,17 @@ def plot_joint_distributions(
     joint: pd.DataFrame, title: str = "", max_points: int = 200_000
 ) -> Figure:
     sample = joint.sample(min(len(joint), max_points), random_state=0) if len(joint) else joint
-    fig, axes = plt.subplots(1, 2, figsize=(8, 3.4))
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
     for ax, col, label in ((axes[0], "vnorm", "‖ṽ_j‖"), (axes[1], "kappa", "κ = cos(o_i, ṽ_j)")):
         if len(sample):
-            ax.hist2d(
+            *_, image = ax.hist2d(
                 sample["alpha"],
                 sample[col],
                 bins=60,
                 cmap="magma",
                 norm=matplotlib.colors.LogNorm(),
             )
+            fig.colorbar(image, ax=ax, label="pairs per bin (log scale)")
         ax.set(xlabel="α_ij", ylabel=label)
     mean_k = float(sample["kappa"].mean()) if len(sample) else float("nan")
     fig.suptitle(f"Joint distributions {title} (mean κ = {mean_k:.3f})", fontsize=10)
@@ -201,26 +208,15 @@ def plot_joint_distributions(
 def write_figures(
     result: GeometryResult, out: str | Path, title: str = "", dpi: int = 110
 ) -> list[Path]:
-    """One PNG per figure the result has data for, named ``geometry-<figure>.png``."""
+    """One PNG per figure the result has data for, named ``geometry-<analysis>.png``
+    (each registered analysis draws its own figure, ``Analysis.figure``)."""
     out = Path(out)
-    figs: dict[str, Figure] = {}
-    if result.first_token_weight_by_layer is not None:
-        figs["first_token_weight"] = plot_first_token_weight(
-            result.first_token_weight_by_layer, title
-        )
-    if result.sink_alignment is not None:
-        figs["sink_alignment"] = plot_sink_alignment(result.sink_alignment, title)
-    if result.sink_scaling is not None and not result.sink_scaling.skipped:
-        figs["sink_scaling"] = plot_sink_scaling(
-            result.sink_scaling.table, result.sink_scaling.layers, title
-        )
-    if result.norm_fit is not None and result.norm_points and not result.norm_fit.empty:
-        figs["norm_fit"] = plot_norm_fit(result.norm_fit, result.norm_points, title)
-    if result.cone_snapshot:
-        figs["semantic_cone"] = plot_semantic_cone(result.cone_snapshot, title=title)
-    if result.joint is not None:
-        figs["joint_distributions"] = plot_joint_distributions(result.joint, title)
-    return [save(fig, out / f"geometry-{name}.png", dpi=dpi) for name, fig in figs.items()]
+    paths = []
+    for name in result.analyses or analysis_names():
+        fig = get_analysis(name).figure(result, title)
+        if fig is not None:
+            paths.append(save(fig, out / f"geometry-{name}.png", dpi=dpi))
+    return paths
 
 
 def _cell(x: Any) -> str:
@@ -290,6 +286,9 @@ def markdown_tables(result: GeometryResult, title: str = "") -> str:
         parts += ["## Output norm vs sink attention (§6.2)", "", _fmt(pd.DataFrame([summ])), ""]
     if result.semantic_cone is not None:
         parts += ["## Semantic cone (Figure 6a/b)", "", _fmt(result.semantic_cone), ""]
+    for name in result.analyses:  # sections of analyses registered beyond the built-in ones
+        if name not in ANALYSES:
+            parts += get_analysis(name).markdown(result)
     return "\n".join(parts)
 
 

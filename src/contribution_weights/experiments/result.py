@@ -1,0 +1,83 @@
+"""What every experiment's result shares: its config, its run_info, symmetric save/load.
+
+``result.save(folder)`` writes ``config.json``, ``run_info.json`` and the experiment's
+own files (:meth:`ExperimentResult.write_files`); ``Result.load(folder)`` reads exactly
+those back (:meth:`ExperimentResult.from_files`), so ``load(save(x))`` equals ``x``. A
+run folder written by :func:`~.runner.run_experiment` holds the same files, so it loads
+the same way.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pandas as pd
+
+CONFIG = "config.json"
+RUN_INFO = "run_info.json"
+
+T = TypeVar("T", bound="ExperimentResult")
+
+
+class ExperimentResult:
+    """Base of the experiments' results."""
+
+    def __init__(self, config: dict[str, Any], run_info: dict[str, Any] | None = None) -> None:
+        self.config = dict(config)
+        self.run_info: dict[str, Any] = dict(run_info or {})
+
+    @property
+    def skipped(self) -> list[dict[str, Any]]:
+        """Units that were skipped, each ``{"phase", "unit", "reason"}``."""
+        return list(self.run_info.get("skipped", []))
+
+    @property
+    def seconds(self) -> float | None:
+        return self.run_info.get("seconds")
+
+    def write_files(self, folder: Path) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    @classmethod
+    def from_files(
+        cls: type[T], folder: Path, config: dict[str, Any], run_info: dict[str, Any]
+    ) -> T:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def save(self, folder: str | Path) -> Path:
+        """Write config.json, run_info.json and the result's files into ``folder``."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / CONFIG).write_text(json.dumps(self.config, indent=2, sort_keys=True))
+        (folder / RUN_INFO).write_text(json.dumps(self.run_info, indent=2))
+        self.write_files(folder)
+        return folder
+
+    @classmethod
+    def load(cls: type[T], folder: str | Path) -> T:
+        """Read a result written by :meth:`save` (or by a run into that folder)."""
+        folder = Path(folder)
+        config_file = folder / CONFIG
+        if not config_file.is_file():
+            raise FileNotFoundError(
+                f"{folder} holds no {CONFIG}; pass a folder written by result.save() or by a run"
+            )
+        config = json.loads(config_file.read_text())
+        info_file = folder / RUN_INFO
+        run_info = json.loads(info_file.read_text()) if info_file.is_file() else {}
+        return cls.from_files(folder, config, run_info)
+
+
+def write_csv(path: Path, frame: pd.DataFrame) -> None:
+    frame.to_csv(path, index=False)
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    """Rows of a CSV as strings (converted exactly by the caller: ``float(str)`` round-trips)."""
+    if not path.is_file():
+        return []
+    with path.open(newline="") as fh:
+        return list(csv.DictReader(fh))

@@ -1,0 +1,405 @@
+"""One runner for every experiment: run folder, resume, progress, run_info, data parallel.
+
+An :class:`Experiment` says what it is (``config()``: options and a fingerprint of its
+inputs), what its units of work are and what one unit yields (``phases()``: each
+:class:`Phase` lists unit numbers and runs one; a unit returns CSV rows, folds itself
+into a mergeable state, or raises :class:`SkipUnit` with a reason), and how finished
+work summarises into a result (``result(rows, run_info)``). :func:`run_experiment`
+owns the rest:
+
+* the run folder (:class:`~..runs.RunFolder`): ``config.json``, refused resumes that
+  name the differing keys, partial last lines cut;
+* resume: a unit is done when all its rows (or its state) are on disk; skipped units are
+  recorded in ``skipped.jsonl`` with their reason and not retried;
+* progress (:func:`~..progress.bar`) and ``run_info.json`` (package versions, seconds,
+  processes, units per phase, skipped units with reasons);
+* data parallel: under ``accelerate launch`` (or any launcher that sets ``WORLD_SIZE``,
+  ``RANK``) the units still to do are dealt round-robin over the processes; each
+  process writes its own part under ``parts/<rank>/``, and the main process merges the
+  parts into exactly the files a one-process run writes (rows sorted by unit; states
+  folded with the experiment's ``merge_state``). Parts left by a process that died are
+  merged at the start of the next ``--resume``, so no finished unit is lost.
+
+Without a run folder (``out=None``) the same code runs in a temporary folder, one
+process only.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import platform
+import shutil
+import tempfile
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Generic, Protocol, TypeVar
+
+from ..progress import bar
+from ..runs import RunFolder
+
+PARTS = "parts"
+SKIPPED = "skipped.jsonl"
+RUN_INFO = "run_info.json"
+
+
+class SkipUnit(Exception):
+    """Raised by a unit that cannot run (e.g. a blank text); ``reason`` is recorded."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class UnitState(Protocol):
+    """A state that units fold themselves into, saved after every unit and mergeable.
+
+    ``units`` lists the units folded in; ``merge_state`` folds in another part's
+    ``state_dict()`` (whose units are disjoint from ours).
+    """
+
+    units: list[int]
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def merge_state(self, state: dict[str, Any]) -> None: ...
+
+    def reset(self) -> None: ...
+
+
+@dataclass
+class Phase:
+    """One kind of unit of work.
+
+    Attributes:
+        name: shown on the progress bar and in ``run_info``.
+        units: the unit numbers (ascending).
+        run: runs one unit; returns its rows (each with ``key`` set), or None for a
+            state unit; raises :class:`SkipUnit` to skip it.
+        rows_file: the CSV the rows go to (None: the phase writes no rows).
+        key: the column naming the unit in ``rows_file``.
+        rows_per_unit: how many rows a finished unit writes.
+        state: a :class:`UnitState` the units fold into, saved to ``state_file``.
+        save_state: write the state to disk after every unit (off: only at the end of
+            the phase, for states too big to rewrite per unit).
+    """
+
+    name: str
+    units: Sequence[int]
+    run: Callable[[int], list[dict[str, Any]] | None]
+    rows_file: str | None = None
+    key: str = "unit"
+    rows_per_unit: int = 1
+    state: UnitState | None = None
+    state_file: str = "state.pt"
+    save_state: bool = True
+    load_state: Callable[[Path], dict[str, Any] | None] | None = None
+    write_state: Callable[[Path, dict[str, Any]], None] | None = None
+
+
+R = TypeVar("R")
+
+
+class Experiment(ABC, Generic[R]):
+    """What a runner needs of an experiment (see the module docstring)."""
+
+    name: str = "experiment"
+
+    @abstractmethod
+    def config(self) -> dict[str, Any]:
+        """What identifies the run: ``experiment``, model, options, inputs fingerprint."""
+
+    @abstractmethod
+    def phases(self) -> Iterator[Phase]:
+        """The phases in order; a phase's state is merged before the next is asked for."""
+
+    @abstractmethod
+    def result(self, rows: Mapping[str, list[dict[str, str]]], run_info: dict[str, Any]) -> R:
+        """The result from every phase's rows (by file name, as read back) and run_info."""
+
+
+# ---- processes ---------------------------------------------------------------------------
+@dataclass
+class Processes:
+    """This process's place among the data-parallel processes (1 of 1 without a launcher)."""
+
+    rank: int = 0
+    world: int = 1
+    _state: Any = None
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self._state is not None:
+            self._state.wait_for_everyone()
+
+
+def processes() -> Processes:
+    """The launcher's processes: ``accelerate launch`` (or ``torchrun``) sets WORLD_SIZE."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world <= 1:
+        return Processes()
+    import torch
+    from accelerate import PartialState
+
+    # without GPUs the processes talk over gloo (accelerate's MULTI_CPU)
+    state = PartialState(cpu=not torch.cuda.is_available())
+    return Processes(state.process_index, state.num_processes, state)
+
+
+# ---- the runner ----------------------------------------------------------------------------
+def versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for name in ("contribution-weights", "torch", "transformers", "accelerate"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            continue
+    return out
+
+
+@dataclass
+class _Files:
+    """Where one process writes: the run folder itself (one process) or its part."""
+
+    root: RunFolder
+    part: RunFolder
+    skipped: list[dict[str, Any]] = field(default_factory=list)
+
+
+def run_experiment(
+    experiment: Experiment[R],
+    out: str | Path | None = None,
+    *,
+    resume: bool = False,
+    progress: bool = True,
+) -> R:
+    """Run ``experiment`` into the run folder ``out`` (resumable; data parallel when
+    launched with several processes) and return its result."""
+    procs = processes()
+    config = experiment.config()
+    if out is None:
+        if procs.world > 1:
+            raise ValueError("a data-parallel run needs a run folder: pass out= (CLI: --out DIR)")
+        with tempfile.TemporaryDirectory(
+            prefix="cw-run-"
+        ) as tmp:  # rows only; states stay in memory
+            return _run(experiment, RunFolder(tmp, config), procs, progress, keep=False)
+    # every process checks the folder (same inputs, same verdict) before any writes
+    RunFolder.check(out, config, resume=resume)
+    procs.barrier()
+    if procs.main:
+        RunFolder(out, config, resume=True)  # writes config.json when new
+    procs.barrier()
+    return _run(experiment, RunFolder.existing(out, config), procs, progress, keep=True)
+
+
+def _run(
+    experiment: Experiment[R], folder: RunFolder, procs: Processes, progress: bool, keep: bool
+) -> R:
+    started = time.perf_counter()
+    part = folder if procs.world == 1 else folder.part(f"{PARTS}/{procs.rank}")
+    files = _Files(folder, part)
+    counts: dict[str, int] = {}
+    rows: dict[str, list[dict[str, str]]] = {}
+    for phase in experiment.phases():
+        if procs.main:
+            _consolidate(folder, phase)
+        procs.barrier()
+        done = _done_units(folder, phase)
+        todo = [u for u in phase.units if u not in done]
+        mine = todo[procs.rank :: procs.world]
+        if phase.state is not None:
+            if procs.world == 1 and keep:
+                _load_state(folder, phase)
+            else:
+                phase.state.reset()
+        bar_ = bar(
+            total=len(mine) if procs.world > 1 else len(phase.units),
+            initial=0 if procs.world > 1 else len(phase.units) - len(todo),
+            desc=phase.name if procs.world == 1 else f"{phase.name} [{procs.rank}/{procs.world}]",
+            unit="unit",
+            disable=not progress or not procs.main,
+        )
+        try:
+            for unit in mine:
+                _run_unit(files, phase, unit, keep)
+                bar_.update(1)
+        finally:
+            bar_.close()
+            if phase.state is not None and not phase.save_state and keep:
+                _save_state(part, phase)
+        procs.barrier()
+        if procs.main:
+            _consolidate(folder, phase)
+        procs.barrier()
+        if phase.state is not None and keep:
+            _load_state(folder, phase)  # every process sees the merged state
+        counts[phase.name] = len(phase.units)
+        if phase.rows_file is not None:
+            rows[phase.rows_file] = _complete(folder, phase)[0]
+    skipped = sorted(_read_skipped(folder), key=lambda r: (r["phase"], r["unit"]))
+    run_info = {
+        "versions": versions(),
+        "seconds": round(time.perf_counter() - started, 1),
+        "processes": procs.world,
+        "units": counts,
+        "skipped": skipped,
+    }
+    if keep and procs.main:
+        folder.write_json(RUN_INFO, run_info)
+    result = experiment.result(rows, run_info)
+    if keep and procs.main:
+        save = getattr(result, "write_summary", None)
+        if save is not None:
+            save(folder.path)
+    procs.barrier()
+    return result
+
+
+def _run_unit(files: _Files, phase: Phase, unit: int, keep: bool = True) -> None:
+    try:
+        out = phase.run(unit)
+    except SkipUnit as skip:
+        record = {"phase": phase.name, "unit": unit, "reason": skip.reason}
+        files.part.append_json(SKIPPED, record)
+        return
+    if phase.rows_file is not None and out:
+        files.part.append_rows(phase.rows_file, out)
+    if phase.state is not None and phase.save_state and keep:
+        _save_state(files.part, phase)
+
+
+# ---- files ---------------------------------------------------------------------------------
+def _parts(folder: RunFolder) -> list[RunFolder]:
+    root = folder.path / PARTS
+    if not root.is_dir():
+        return []
+    return [folder.part(f"{PARTS}/{p.name}") for p in sorted(root.iterdir()) if p.is_dir()]
+
+
+def _complete(folder: RunFolder, phase: Phase) -> tuple[list[dict[str, str]], set[int]]:
+    assert phase.rows_file is not None
+    kept, keys = folder.complete_rows(phase.rows_file, phase.key, phase.rows_per_unit)
+    return kept, {int(k) for k in keys}
+
+
+def _done_units(folder: RunFolder, phase: Phase) -> set[int]:
+    done = {int(r["unit"]) for r in _read_skipped(folder) if r["phase"] == phase.name}
+    if phase.rows_file is not None:
+        done |= _complete(folder, phase)[1]
+    if phase.state is not None:
+        state = _read_state(folder, phase)
+        if state is not None:
+            done |= {int(u) for u in state.get("units", [])}
+    return done
+
+
+def _read_skipped(folder: RunFolder) -> list[dict[str, Any]]:
+    return folder.read_json(SKIPPED)
+
+
+def _read_state(folder: RunFolder, phase: Phase) -> dict[str, Any] | None:
+    target = folder.file(phase.state_file)
+    if not target.exists():
+        return None
+    assert phase.load_state is not None
+    return phase.load_state(target)
+
+
+def _load_state(folder: RunFolder, phase: Phase) -> None:
+    assert phase.state is not None
+    state = _read_state(folder, phase)
+    phase.state.reset()
+    if state is not None:
+        phase.state.load_state_dict(state)
+
+
+def _save_state(folder: RunFolder, phase: Phase) -> None:
+    assert phase.state is not None and phase.write_state is not None
+    phase.write_state(folder.file(phase.state_file), phase.state.state_dict())
+
+
+def _consolidate(folder: RunFolder, phase: Phase) -> None:
+    """Fold every part (and the run folder's own files) into the run folder's files.
+
+    Rows: complete units only, one copy each, sorted by unit (stable within a unit).
+    States: each part whose units are not yet in the merged state is merged in. The
+    merged files are written (atomically) before the parts are removed, so a crash
+    here loses nothing and merges nothing twice.
+    """
+    parts = _parts(folder)
+    for part in parts:  # a process that died mid-write may have left half a line
+        part.drop_partial_lines()
+    if phase.rows_file is not None:
+        merged, seen = _complete(folder, phase)
+        for part in parts:
+            rows, keys = _complete(part, phase)
+            fresh = keys - seen
+            merged.extend(r for r in rows if int(r[phase.key]) in fresh)
+            seen |= fresh
+        if parts:
+            merged.sort(key=lambda r: int(r[phase.key]))
+            folder.write_bytes(phase.rows_file, _csv_bytes(merged))
+    if phase.state is not None and parts:
+        _load_state(folder, phase)
+        have = set(phase.state.units)
+        changed = False
+        for part in parts:
+            state = _read_state(part, phase)
+            if state is None:
+                continue
+            units = {int(u) for u in state.get("units", [])}
+            if units and not units & have:
+                phase.state.merge_state(state)
+                have |= units
+                changed = True
+        if changed:
+            _save_state(folder, phase)
+    if parts:
+        skipped = {(r["phase"], int(r["unit"])): r for r in _read_skipped(folder)}
+        for part in parts:
+            for r in _read_skipped(part):
+                skipped.setdefault((r["phase"], int(r["unit"])), r)
+        text = "".join(json.dumps(r) + "\n" for _, r in sorted(skipped.items()))
+        folder.write_bytes(SKIPPED, text.encode())
+        for part in parts:
+            for name in (phase.rows_file, phase.state_file if phase.state else None, SKIPPED):
+                if name is not None:
+                    part.file(name).unlink(missing_ok=True)
+            if not any(part.path.iterdir()):
+                part.path.rmdir()
+        root = folder.path / PARTS
+        if root.is_dir() and not any(root.iterdir()):
+            shutil.rmtree(root)
+
+
+def _csv_bytes(rows: list[dict[str, Any]]) -> bytes:
+    import io
+
+    buf = io.StringIO()
+    if rows:
+        writer = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+    return buf.getvalue().encode()
+
+
+def resume_hint(argv: Sequence[str]) -> str:
+    """The command that resumes an interrupted ``cw`` run (adds ``--resume``)."""
+    import shlex
+
+    args = list(argv)
+    if "--resume" not in args:
+        args.append("--resume")
+    return "cw " + shlex.join(args)

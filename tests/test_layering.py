@@ -1,0 +1,87 @@
+"""The package's layering (its docstring) holds: every import, lazy ones inside functions
+included, points down the layers, save the sanctioned facade methods named below."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import contribution_weights
+
+PACKAGE = Path(contribution_weights.__file__).parent
+LAYERS = [
+    {"families", "measures", "progress", "runs", "data", "storage"},
+    {"capture", "loading", "results"},
+    {"interventions", "inputs"},
+    {"tracing", "experiments"},
+    {"presentation"},
+    {"cli"},
+    {"__init__", "__main__"},
+]
+#: lazy (in-function) upward imports that hand a result to presentation:
+#: Trace.to_html / _repr_html_, FaithfulnessResult.plot, DownstreamResult.plot
+FACADES = {("results", "presentation"), ("experiments", "presentation")}
+
+
+def _layer(part: str) -> int:
+    for i, names in enumerate(LAYERS):
+        if part in names:
+            return i
+    raise AssertionError(f"{part} is in no layer: add it to LAYERS and the package docstring")
+
+
+def _imports(path: Path) -> list[tuple[str, bool, int]]:
+    """(top-level part imported, inside a function, line) for every in-package import."""
+    rel = path.relative_to(PACKAGE).with_suffix("")
+    here = list(rel.parts[:-1])  # the module's package, relative to contribution_weights
+    tree = ast.parse(path.read_text())
+    out = []
+    functions = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
+    lazy = {id(n) for f in functions for n in ast.walk(f)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here[: len(here) - (node.level - 1)] if node.level > 1 else here
+                target = [*base, *(node.module.split(".") if node.module else [])]
+                if not target:  # "from . import data": the names are the modules
+                    for alias in node.names:
+                        out.append((alias.name, id(node) in lazy, node.lineno))
+                    continue
+            elif node.module and node.module.split(".")[0] == "contribution_weights":
+                target = node.module.split(".")[1:]
+            else:
+                continue
+            out.append((target[0] if target else "__init__", id(node) in lazy, node.lineno))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] == "contribution_weights":
+                    out.append((parts[1] if len(parts) > 1 else "__init__", id(node) in lazy,
+                                node.lineno))  # fmt: skip
+    return out
+
+
+def test_every_import_points_down_the_layers():
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE)
+        me = rel.parts[0] if len(rel.parts) > 1 else rel.stem
+        for target, lazy, line in _imports(path):
+            if target == me:
+                continue
+            if _layer(target) < _layer(me):
+                continue
+            if lazy and (me, target) in FACADES:
+                continue
+            wrong.append(f"{rel}:{line} imports {target} ({'lazily' if lazy else 'at the top'})")
+    assert not wrong, "imports against the layering:\n" + "\n".join(wrong)
+
+
+def test_the_checker_sees_lazy_and_relative_imports(tmp_path, monkeypatch):
+    """The checker itself: a lazy upward import inside a function is reported."""
+    sub = tmp_path / "pkg" / "measures"
+    sub.mkdir(parents=True)
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (sub / "x.py").write_text("def f():\n    from ..cli import main\n    from . import y\n")
+    monkeypatch.setattr(f"{__name__}.PACKAGE", tmp_path / "pkg")
+    assert _imports(sub / "x.py") == [("cli", True, 2), ("measures", True, 3)]

@@ -1,0 +1,98 @@
+"""The experiment runner: save/load symmetry, run_info, resume by content, file modes."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import pandas as pd
+import pytest
+from tiny_models import tiny_model
+
+from contribution_weights.cli import main
+from contribution_weights.data import ChoiceItem
+from contribution_weights.experiments.downstream import DownstreamResult, downstream
+from contribution_weights.experiments.faithfulness import FaithfulnessResult, faithfulness
+from contribution_weights.experiments.runner import resume_hint
+
+TEXTS = ["the cat sat on the mat", "  ", "water boils at one hundred degrees"]
+ITEMS = [
+    ChoiceItem("the sky is", ["blue", "green"], 0),
+    ChoiceItem("two and two make", ["four", "five"], 0),
+]
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return tiny_model("llama")
+
+
+def test_faithfulness_result_saves_and_loads_back_into_a_new_folder(lm, tmp_path):
+    res = faithfulness(lm, TEXTS, measures=["vw"], rates=[0.5], progress=False)
+    folder = res.save(tmp_path / "saved")
+    assert json.loads((folder / "config.json").read_text())["experiment"] == "faithfulness"
+    back = FaithfulnessResult.load(folder)
+    pd.testing.assert_frame_equal(back.per_sequence, res.per_sequence)
+    pd.testing.assert_frame_equal(back.summary, res.summary)
+    assert back.config == res.config and back.run_info == res.run_info
+    assert [s["unit"] for s in back.skipped] == [1]
+
+
+def test_downstream_result_saves_and_loads_back(lm, tmp_path):
+    res = downstream(lm, ITEMS, task="t", measures=["vw"], rates=[0.5], progress=False)
+    back = DownstreamResult.load(res.save(tmp_path / "d"))
+    pd.testing.assert_frame_equal(back.per_item, res.per_item)
+    pd.testing.assert_frame_equal(back.summary, res.summary)
+    assert back.config == res.config and back.seconds == res.seconds
+
+
+def test_a_run_folder_loads_as_its_result(lm, tmp_path):
+    res = faithfulness(lm, TEXTS, measures=["vw"], rates=[0.5], out=tmp_path / "r",
+                       progress=False)  # fmt: skip
+    info = json.loads((tmp_path / "r" / "run_info.json").read_text())
+    assert info["skipped"] == [{"phase": "faithfulness", "unit": 1, "reason": "blank text"}]
+    assert info["processes"] == 1 and "seconds" in info and "transformers" in info["versions"]
+    back = FaithfulnessResult.load(tmp_path / "r")
+    pd.testing.assert_frame_equal(back.per_sequence, res.per_sequence)
+
+
+def test_load_without_config_says_what_folder_it_needs(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"result\.save"):
+        FaithfulnessResult.load(tmp_path)
+
+
+def test_run_files_are_written_0644(lm, tmp_path):
+    old = os.umask(0o022)
+    try:
+        faithfulness(lm, TEXTS[:1], measures=["vw"], rates=[0.5], out=tmp_path / "r",
+                     progress=False)  # fmt: skip
+    finally:
+        os.umask(old)
+    for f in (tmp_path / "r").iterdir():
+        assert stat.S_IMODE(f.stat().st_mode) == 0o644, f.name
+
+
+def test_resume_accepts_the_same_file_under_another_path_spelling(lm, tmp_path, monkeypatch):
+    monkeypatch.setattr("contribution_weights.loading.load_model", lambda *a, **k: lm)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t.txt").write_text("the cat sat on the mat\n\nwater boils")
+    args = ["faithfulness", "--measures", "vw", "--rates", "0.5", "--out", "o"]
+    assert main([*args, "--file", "t.txt"]) == 0
+    assert main([*args, "--file", str(tmp_path / "." / "t.txt"), "--resume"]) == 0
+    (tmp_path / "t.txt").write_text("other text entirely")
+    assert main([*args, "--file", "t.txt", "--resume"]) == 2  # other content: refused
+
+
+def test_interrupted_run_says_how_to_resume(lm, tmp_path, monkeypatch, capsys):
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("contribution_weights.loading.load_model", lambda *a, **k: lm)
+    monkeypatch.setattr("contribution_weights.experiments.faithfulness.faithfulness", interrupted)
+    (tmp_path / "t.txt").write_text("the cat")
+    argv = ["faithfulness", "--file", str(tmp_path / "t.txt"), "--out", str(tmp_path / "o")]
+    assert main(argv) == 130
+    err = capsys.readouterr().err
+    assert "interrupted" in err and resume_hint(argv) in err
+    assert resume_hint(argv).endswith("--resume") and resume_hint(argv).startswith("cw faith")
