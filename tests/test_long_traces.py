@@ -411,3 +411,12 @@ def test_factors_derivation_matches_layer_functions():
     assert torch.equal(M.vw_on_from(f), M.vw_on(lt)[0])
     assert torch.equal(M.relative_norm_from(f), M.relative_norm(lt)[0])
     assert torch.equal(M.ihc_from(f), M.ihc(lt)[0])
+
+
+def test_exact_inputs_gives_the_all_layer_trace_bit_for_bit():
+    lm = tiny_model("qwen2")
+    whole = cw.trace(lm, IDS, measures=["contribution"])
+    fast = cw.trace(lm, IDS, measures=["contribution"], layers=[1])
+    exact = cw.trace(lm, IDS, measures=["contribution"], layers=[1], exact_inputs=True)
+    assert torch.equal(exact["contribution"][0], whole["contribution"][1])
+    torch.testing.assert_close(fast["contribution"][0], whole["contribution"][1])

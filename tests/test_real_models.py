@@ -43,7 +43,9 @@ def check_exact(loaded: cw.LoadedModel, text: str, layers: list[int]) -> None:
     with torch.no_grad(), capturing(loaded.model):
         logits = loaded.model(input_ids=ids[None], use_cache=False).logits
     assert torch.equal(logits, run.logits)
-    tr = cw.trace(loaded, ids, measures=ALL, layers=layers, compute_dtype="float64")
+    tr = cw.trace(
+        loaded, ids, measures=ALL, layers=layers, compute_dtype="float64", exact_inputs=True
+    )
     for pos, layer in enumerate(tr.layers):
         ref = run.layer(layer, 0, allowed(len(ids), window(loaded.model, layer)))
         hooked = run.outputs[layer][0].double()  # Σ_h o^(h) + b = the output projection's output
@@ -53,7 +55,7 @@ def check_exact(loaded: cw.LoadedModel, text: str, layers: list[int]) -> None:
             _rel_check(tr[name][pos], ref[name], 1e-5, f"{name} layer {layer}")
         torch.testing.assert_close(tr.bias_share[pos], ref["bias_share"], rtol=0, atol=1e-8)
     # float32 (the default): within 1e-4 of each measure's scale (measured: ≤ 1e-5 on SmolLM2)
-    tr32 = cw.trace(loaded, ids, measures=ALL, layers=layers)
+    tr32 = cw.trace(loaded, ids, measures=ALL, layers=layers, exact_inputs=True)
     for name in ALL:
         scale = tr[name].abs().amax(dim=(1, 2, 3), keepdim=True)
         assert ((tr32[name].double() - tr[name]).abs() <= 1e-4 * scale).all(), name

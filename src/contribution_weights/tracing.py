@@ -60,6 +60,10 @@ class TraceOptions:
             ``"float16"``/``"bfloat16"`` halve memory and disk.
         top_k: keys kept per query in the reductions.
         memory_limit: bytes the trace may use (default: the memory available now).
+        exact_inputs: run the layers that are not traced through eager attention too, so
+            the traced ones see bit for bit the activations of an all-eager forward
+            (default: the model's sdpa kernel, faster; activations then differ from eager's
+            by float rounding, ~1e-7 relative in float32).
     """
 
     measures: str | Sequence[str] = "all"
@@ -72,6 +76,7 @@ class TraceOptions:
     storage_dtype: str | None = None
     top_k: int = DEFAULT_TOP_K
     memory_limit: int | None = None
+    exact_inputs: bool = False
 
     def as_kwargs(self) -> dict[str, Any]:
         return asdict(self)
@@ -90,6 +95,7 @@ class TraceRecorder:
     vectors: dict[str, Tensor] = field(default_factory=dict)
     progress: Any = None  # a bar advanced once per block of queries
     blocks_per_layer: int = 1
+    eager_everywhere: bool = False  # untraced layers too (see TraceOptions.exact_inputs)
 
     key_spans = True  # blocks come narrowed to the keys their queries can see
 
@@ -98,7 +104,7 @@ class TraceRecorder:
         self.stored = list(self.store.names) if self.store is not None else []
 
     def wants(self, layer_idx: int) -> bool:
-        return layer_idx in self._position
+        return self.eager_everywhere or layer_idx in self._position
 
     def skipped(self, call: LayerCall) -> None:
         if self.progress is not None:
@@ -381,6 +387,7 @@ def trace(
     storage_dtype: str | torch.dtype | None = ...,
     top_k: int = ...,
     memory_limit: int | None = ...,
+    exact_inputs: bool = ...,
     out: str | Path | None = ...,
     progress: bool | None = ...,
 ) -> Trace: ...
@@ -401,6 +408,7 @@ def trace(
     storage_dtype: str | torch.dtype | None = ...,
     top_k: int = ...,
     memory_limit: int | None = ...,
+    exact_inputs: bool = ...,
     out: str | Path | None = ...,
     progress: bool | None = ...,
 ) -> list[Trace]: ...
@@ -420,6 +428,7 @@ def trace(
     storage_dtype: str | torch.dtype | None = None,
     top_k: int = DEFAULT_TOP_K,
     memory_limit: int | None = None,
+    exact_inputs: bool = False,
     out: str | Path | None = None,
     progress: bool | None = None,
 ) -> Trace | list[Trace]:
@@ -442,6 +451,7 @@ def trace(
         storage_dtype=storage_dtype,
         top_k=top_k,
         memory_limit=memory_limit,
+        exact_inputs=exact_inputs,
     )
     if _is_batch(inputs):
         from .progress import bar
@@ -492,6 +502,7 @@ def trace(
     if not maps or folder is not None:
         reducer = ReductionAccumulator(names, len(layer_list), heads, t, top_k, dtype, model.device)
     recorder = TraceRecorder(names, layer_list, t, dtype, store=store, reducer=reducer)
+    recorder.eager_everywhere = exact_inputs
     _run(model, ids, recorder, block_bytes, progress)
     if store is not None:
         store.close()

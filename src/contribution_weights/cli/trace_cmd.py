@@ -84,6 +84,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help=f"keys kept per query in the reductions (default {DEFAULT_TOP_K})",
     )
     p.add_argument(
+        "--exact-inputs",
+        action="store_true",
+        help="run untraced layers through eager attention too (default: sdpa, faster; "
+        "the traced layers' inputs then differ from an all-eager forward by float rounding)",
+    )
+    p.add_argument(
         "--memory-limit",
         type=parse_bytes,
         default=None,
@@ -128,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
         storage_dtype=args.storage_dtype,
         top_k=args.top_k,
         memory_limit=args.memory_limit,
+        exact_inputs=args.exact_inputs,
     )
     model = load_model(args.model, dtype=args.dtype, device=args.device)
     args.heads = check_heads(args.heads, model.num_layers, model.num_heads, args.layers)
