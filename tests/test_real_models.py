@@ -56,16 +56,18 @@ def check_exact(loaded: cw.LoadedModel, text: str, layers: list[int]) -> None:
         torch.testing.assert_close(tr.bias_share[pos], ref["bias_share"], rtol=0, atol=1e-8)
     # float32 (the default): within 1e-4 of each measure's scale (measured: ≤ 1e-5 on SmolLM2)
     tr32 = cw.trace(loaded, ids, measures=ALL, layers=layers, exact_inputs=True)
+    full = {name: tr[name].tensor() for name in ALL}
     for name in ALL:
-        scale = tr[name].abs().amax(dim=(1, 2, 3), keepdim=True)
-        assert ((tr32[name].double() - tr[name]).abs() <= 1e-4 * scale).all(), name
-    a, c = tr["attention"], tr["contribution"]
+        scale = full[name].abs().amax(dim=(1, 2, 3), keepdim=True)
+        assert ((tr32[name].tensor().double() - full[name]).abs() <= 1e-4 * scale).all(), name
+    a, c = full["attention"], full["contribution"]
     torch.testing.assert_close(a.sum(-1), torch.ones_like(a.sum(-1)), rtol=0, atol=1e-5)
-    torch.testing.assert_close(c, a * tr["relative_norm"] * tr["cosine"], rtol=1e-9, atol=1e-12)
+    want = a * full["relative_norm"] * full["cosine"]
+    torch.testing.assert_close(c, want, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(c.sum(dim=(1, 3)), 1 - tr.bias_share, rtol=0, atol=1e-9)
-    intra_sum = tr["intra"].sum(-1)
+    intra_sum = full["intra"].sum(-1)
     torch.testing.assert_close(intra_sum, torch.ones_like(intra_sum), rtol=0, atol=1e-9)
-    d_sum = tr["distance"].sum(dim=(1, 3))
+    d_sum = full["distance"].sum(dim=(1, 3))
     torch.testing.assert_close(d_sum, torch.ones_like(d_sum), rtol=0, atol=1e-9)
     assert not tr.degenerate.any()
 
