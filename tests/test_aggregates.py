@@ -123,12 +123,11 @@ def test_trace_summary_matches_brute_force():
 
 
 @pytest.mark.parametrize("measure", ["attention", "contribution", "intra", "vw", "vw_on", "ihc"])
-def test_first_token_weight_of_equals_normalising_every_key(measure):
-    from contribution_weights.measures.aggregates import first_token_weight_of
+def test_first_token_weight_of_a_measure_equals_normalising_every_key(measure):
 
     torch.manual_seed(0)
     w = torch.randn(3, 4, 6, 6, dtype=torch.float64).tril()
     if measure != "contribution" and measure != "intra":
         w = w.abs()
     expected = aggregates.first_token_weight(aggregates.normalised(w, measure))
-    torch.testing.assert_close(first_token_weight_of(w, measure), expected)
+    torch.testing.assert_close(aggregates.first_token_weight(w, measure), expected)

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from ..measures import layer as M
-from ..measures.aggregates import entropy, first_token_weight_of
+from ..measures.aggregates import entropy, first_token_weight
 from ..measures.layer import LayerTensors, safe_div
 from ..measures.registry import get_measure
 from .streaming import Moments, Reservoir
@@ -153,14 +153,14 @@ class LayerMeans(Stat):
 
 class FirstTokenWeight(LayerMeans):
     """Table 4: E[w_0^(l)] = (1/T) Σ_i Σ_h w_i0 with the registry's normalised weights
-    (method §3), via :func:`~..measures.aggregates.first_token_weight_of` per block."""
+    (method §3), via :func:`~..measures.aggregates.first_token_weight` per block."""
 
     columns = WEIGHT_MEASURES
 
     def observe(self, view: BlockView) -> None:
         queries = view.alpha.shape[1]
         for k, measure in enumerate(WEIGHT_MEASURES):
-            mean = first_token_weight_of(view.weight(measure), measure)  # over the block
+            mean = first_token_weight(view.weight(measure), measure)  # over the block
             self._seq[view.layer, k] += float(mean) * queries
         self._seq_n[view.layer] += queries
 

@@ -53,19 +53,20 @@ def normalised(w: Float[Tensor, "*lead h i t"], measure: str) -> Float[Tensor, "
     return norm(w)
 
 
-def first_token_weight(w_normalised: Float[Tensor, "*lead h i t"]) -> Float[Tensor, "*lead"]:
-    """``(...,)``: E[w_0] = (1/T) Σ_i Σ_h w_i0 for normalised weights ``(..., H, T, T)``."""
-    return w_normalised[..., 0].sum(dim=-2).mean(dim=-1)
-
-
-def first_token_weight_of(w: Float[Tensor, "*lead h i t"], measure: str) -> Float[Tensor, "*lead"]:
-    """:func:`first_token_weight` of ``normalised(w, measure)`` without normalising every key.
+def first_token_weight(
+    w: Float[Tensor, "*lead h i t"], measure: str | None = None
+) -> Float[Tensor, "*lead"]:
+    """``(...,)``: E[w_0] = (1/T) Σ_i Σ_h w̄_i0, the weight on token 0 of the normalised
+    weights w̄ (``(..., H, T, T)``): ``w`` itself when ``measure`` is None (already
+    normalised), else ``normalised(w, measure)`` computed without normalising every key.
 
     The registry's normalisations scale each query by a factor computed from sums over
     (head, key), so folding the keys j ≥ 1 into one column leaves column 0 unchanged.
     """
-    folded = torch.stack([w[..., 0], w[..., 1:].sum(-1)], dim=-1)
-    return first_token_weight(normalised(folded, measure))
+    if measure is not None:
+        folded = torch.stack([w[..., 0], w[..., 1:].sum(-1)], dim=-1)
+        w = normalised(folded, measure)
+    return w[..., 0].sum(dim=-2).mean(dim=-1)
 
 
 def entropy(

@@ -73,7 +73,7 @@ class MeasureReductions:
     def first_token_weight(self) -> Float[Tensor, " l"]:
         """``(L,)``: per-layer first-token weight of the normalised measure."""
         folded = torch.stack([self.first, self.row_sum - self.first], dim=-1)
-        return first_token_weight(normalised(folded, self.measure))
+        return first_token_weight(normalised(folded, self.measure))  # already folded
 
     def mean_entropy(self, exclude_first: bool = False) -> float:
         """Mean over layers, heads and queries of the per-query entropy (query 0 is left
