@@ -420,3 +420,22 @@ def test_exact_inputs_gives_the_all_layer_trace_bit_for_bit():
     exact = cw.trace(lm, IDS, measures=["contribution"], layers=[1], exact_inputs=True)
     assert torch.equal(exact["contribution"][0], whole["contribution"][1])
     torch.testing.assert_close(fast["contribution"][0], whole["contribution"][1])
+
+
+def test_entropy_without_token_0_is_accurate_for_strong_sinks():
+    """Rows with nearly all weight on token 0 (attention sinks) lose no precision in float32:
+    the rest of the row is summed on its own, not as the whole row minus token 0."""
+    from contribution_weights.measures import aggregates
+    from contribution_weights.measures.reductions import ReductionAccumulator
+
+    gen = torch.Generator().manual_seed(0)
+    t = 64
+    tail = torch.rand(2, t, t, generator=gen).tril() * 1e-5
+    w = tail.clone()
+    w[..., 0] = 1.0
+    w = w / w.sum(-1, keepdim=True)  # 99.9% of each row on token 0
+    acc = ReductionAccumulator(["attention"], 1, 2, t)
+    acc.add("attention", 0, 0, w.float())
+    got = acc.results["attention"].mean_entropy(exclude_first=True)
+    want = float(aggregates.entropy(w.double(), exclude_first=True).mean())
+    assert got == pytest.approx(want, rel=1e-5)

@@ -169,14 +169,20 @@ class ReductionAccumulator:
         if not m.is_weight:
             r.row_sum[pos, :, rows] = w.sum(-1)
             return a
-        total = a.sum(-1)
-        r.row_sum[pos, :, rows] = total if not m.signed else w.sum(-1)
-        a_log_a = sum_a_log_a(a)
-        r.entropy[pos, :, rows] = _entropy(total, a_log_a)
+        # sums over the keys after token 0 first, then token 0 added: subtracting it from
+        # the whole row instead would cancel catastrophically in rows where the sink holds
+        # nearly all the weight
+        rest = a[..., 1:] if first_key == 0 else a
+        rest_total, rest_log = rest.sum(-1), sum_a_log_a(rest)
         if first_key == 0:
             a0 = a[..., 0]
-            excl = _entropy(total - a0, a_log_a + torch.special.entr(a0))
+            total, a_log_a = rest_total + a0, rest_log - torch.special.entr(a0)
+            excl = _entropy(rest_total, rest_log)
         else:
+            total, a_log_a = rest_total, rest_log
+        r.row_sum[pos, :, rows] = total if not m.signed else w.sum(-1)
+        r.entropy[pos, :, rows] = _entropy(total, a_log_a)
+        if first_key != 0:
             excl = r.entropy[pos, :, rows]
         r.entropy_excl_first[pos, :, rows] = excl
         if first_query == 0:
