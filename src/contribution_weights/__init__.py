@@ -13,7 +13,7 @@ internals out of a model, and interventions) ← ``tracing`` / experiments ← `
 ← ``presentation`` ← ``cli``.
 """
 
-from . import data
+from . import data, kv
 from .capture import CaptureError, CaptureSession, LayerCall, capturing
 from .experiments import geometry
 from .experiments.downstream import DownstreamResult, downstream
@@ -51,6 +51,7 @@ __all__ = [
     "downstream",
     "faithfulness",
     "geometry",
+    "kv",
     "get_measure",
     "load_model",
     "measure_names",

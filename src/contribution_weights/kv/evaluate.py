@@ -95,9 +95,7 @@ def _tokens(model: LoadedModel, text: str, special: bool = False) -> list[int]:
     return list(model.tokenizer(text, add_special_tokens=special)["input_ids"])
 
 
-def passkey_item(
-    model: LoadedModel, context: int, depth: float, seed: int
-) -> PasskeyItem:
+def passkey_item(model: LoadedModel, context: int, depth: float, seed: int) -> PasskeyItem:
     """One passkey item of exactly ``context`` tokens, the needle at ``depth`` of the filler."""
     rng = _random.Random(seed)
     key = str(rng.randint(10000, 99999))
@@ -132,7 +130,9 @@ def passkey_items(
         yield passkey_item(model, context, depths[i % len(depths)], seed * 100_003 + i)
 
 
-def passkey_score(model: LoadedModel, cache: CompressedCache, item: PasskeyItem) -> dict[str, float]:
+def passkey_score(
+    model: LoadedModel, cache: CompressedCache, item: PasskeyItem
+) -> dict[str, float]:
     fed = torch.cat([item.question, item.answer[:, :-1]], dim=1).to(model.model.device)
     with torch.no_grad():
         logits = cache.forward(model.model, fed).logits

@@ -25,8 +25,13 @@ pooling kernel 5, 4 sink tokens), so ``benchmarks/kvpress_crosscheck.py`` can co
   the attention analogue of ``contribution`` (same window, same heads).
 * ``contribution`` — ours: ``|ĉ_ij^(h)|`` summed over the last ``window`` queries and the
   query heads of each KV group; the window's own keys are always kept (as in SnapKV).
-* ``contribution_sinks`` — the same, with sink tokens (hidden-state cosine > 0.95 with
-  token 0 at that layer, the paper's rule) always kept.
+* ``contribution_sinks`` — the same, with the first 4 tokens (StreamingLLM's sink set)
+  always kept. Evicting a key renormalises the softmax over the rest, unlike the
+  faithfulness removal (SPEC §4), which zeroes a column without renormalising: a sink's
+  small, anti-aligned ĉ says little about what its eviction does (docs/kv-cache.md). The
+  paper's own sink rule (hidden-state cosine > 0.95 with token 0) is not used: in Gemma 3
+  it flags almost every token at some layers (508 of 512 at layer 11), so it cannot serve
+  as a protected set inside a budget.
 * ``random`` — a seeded uniform draw.
 
 Scores of GQA models are combined over the query heads of a KV group (sum or mean, which
@@ -41,7 +46,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
-from jaxtyping import Bool, Float
+from jaxtyping import Float
 from torch import Tensor
 from torch.nn import functional as F
 
@@ -62,7 +67,6 @@ class LayerStats:
         window_probs: ``(B, H, w, T)`` α of the last ``w`` queries.
         window_contribution: ``(B, H, T)`` Σ_i |ĉ_ij^(h)| over the last ``w`` queries.
         projected_value_norm: ``(B, H, T)`` ‖W_O^(h) v_j‖.
-        sinks: ``(B, T)`` bool, sink tokens at this layer's input.
         seed: for ``random``.
     """
 
@@ -72,7 +76,6 @@ class LayerStats:
     window_probs: Float[Tensor, "b h w t"]
     window_contribution: Float[Tensor, "b h t"]
     projected_value_norm: Float[Tensor, "b h t"]
-    sinks: Bool[Tensor, "b t"]
     seed: int = 0
 
     @property
@@ -151,9 +154,11 @@ def _protect_last(scores: Scores, n: int) -> Scores:
     return out
 
 
-def _protect(scores: Scores, where: Bool[Tensor, "b t"]) -> Scores:
-    top = scores.max() + 2  # above _protect_last's mark too
-    return torch.where(where[:, None, :], top, scores)
+def _protect_first(scores: Scores, n: int) -> Scores:
+    """Give the first ``n`` positions a score above every other, including protected ones."""
+    out = scores.clone()
+    out[..., :n] = scores.max() + 2
+    return out
 
 
 def _window_keys(stats: LayerStats) -> int:
@@ -218,7 +223,7 @@ def contribution(stats: LayerStats) -> Scores:
 
 
 def contribution_sinks(stats: LayerStats) -> Scores:
-    return _protect(contribution(stats), stats.sinks)
+    return _protect_first(contribution(stats), N_SINK)
 
 
 def random(stats: LayerStats) -> Scores:
@@ -245,7 +250,7 @@ for _m in (
     Method(
         "contribution_sinks",
         contribution_sinks,
-        "ours, with sink tokens (cosine > 0.95 with token 0) always kept",
+        "ours, with the first 4 tokens (sinks) always kept",
     ),
     Method("random", random, "uniform random (seeded)"),
 ):

@@ -26,7 +26,6 @@ import torch
 from torch import Tensor
 
 from ..capture import LayerCall, capturing, check_all_layers_seen
-from ..interventions import SINK_COSINE, tracking_sinks
 from ..loading import LoadedModel
 from ..measures.layer import contribution as contribution_weights
 from .methods import WINDOW, LayerStats
@@ -71,11 +70,12 @@ class StatsObserver:
         part.window_probs.append(block.to(dtype))
         lt = call.layer_tensors(sub, block, dtype)
         c = contribution_weights(lt).abs().sum(2)  # (B, H, T): Σ over these window rows
-        part.window_contribution = c if part.window_contribution is None else part.window_contribution + c
+        previous = part.window_contribution
+        part.window_contribution = c if previous is None else previous + c
         if part.projected_value_norm is None:
             part.projected_value_norm = lt.value_norm
 
-    def stats(self, sinks: dict[int, Tensor], seed: int) -> dict[int, LayerStats]:
+    def stats(self, seed: int) -> dict[int, LayerStats]:
         out = {}
         for idx, part in sorted(self.partial.items()):
             assert part.keys is not None and part.values is not None
@@ -87,7 +87,6 @@ class StatsObserver:
                 window_probs=torch.cat(part.window_probs, dim=2),
                 window_contribution=part.window_contribution,
                 projected_value_norm=part.projected_value_norm,
-                sinks=sinks[idx],
                 seed=seed + idx,
             )
         return out
@@ -129,7 +128,6 @@ def prefill(
     ids: Tensor,
     window: int = WINDOW,
     *,
-    sink_threshold: float = SINK_COSINE,
     seed: int = 0,
 ) -> Prefill:
     """Run ``ids`` ``(T,)`` or ``(B, T)`` through the model, keeping its cache and the stats
@@ -142,11 +140,10 @@ def prefill(
     layers = set(range(model.num_layers)) - _sliding_layer_ids(model)
     observer = StatsObserver(layers, window)
     ids = ids.to(net.device)
-    with torch.no_grad(), tracking_sinks(net, sink_threshold) as sinks:
-        with capturing(net, observers=[observer]) as session:
-            out = net(input_ids=ids, use_cache=True)
-        check_all_layers_seen(session, model.num_layers)
+    with torch.no_grad(), capturing(net, observers=[observer]) as session:
+        out = net(input_ids=ids, use_cache=True)
+    check_all_layers_seen(session, model.num_layers)
     cache = out.cache if hasattr(out, "cache") else out.past_key_values
     kept = set(compressible_layers(cache))
-    stats = {i: s for i, s in observer.stats(sinks.masks, seed).items() if i in kept}
+    stats = {i: s for i, s in observer.stats(seed).items() if i in kept}
     return Prefill(ids=ids, cache=cache, logits=out.logits, stats=stats, window=window)
