@@ -21,6 +21,7 @@ number of tokens seen, not the number cached. kvpress makes the same choice for 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -108,7 +109,7 @@ class Prefill:
     """A scored prefill: the model's cache, its logits, and statistics per compressible layer."""
 
     ids: Tensor  # (B, T)
-    cache: object  # transformers Cache
+    cache: Any  # transformers Cache
     logits: Tensor  # (B, T, V)
     stats: dict[int, LayerStats]
     window: int
