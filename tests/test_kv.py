@@ -203,7 +203,7 @@ def test_bad_method_is_a_clear_error() -> None:
 
 
 def test_kv_eval_runs_resumes_and_summarises(tmp_path: Any) -> None:
-    from contribution_weights.experiments.kv_eval import KVEvalOptions, kv_eval
+    from contribution_weights.experiments.kv_eval import KVEvalOptions, KVEvalResult, kv_eval
 
     model = tiny_model("llama")
     opts = KVEvalOptions(
@@ -221,6 +221,9 @@ def test_kv_eval_runs_resumes_and_summarises(tmp_path: Any) -> None:
     again = kv_eval(model, options=opts, out=tmp_path / "run", resume=True, progress=False)
     assert len(again.per_item) == len(first.per_item) == 9  # nothing redone, nothing lost
     pd.testing.assert_frame_equal(again.summary, first.summary, check_dtype=False)
+    loaded = KVEvalResult.load(tmp_path / "run")
+    pd.testing.assert_frame_equal(loaded.summary, first.summary, check_dtype=False)
+    assert (tmp_path / "run" / "summary_depth.csv").exists()
     texts = ["abcdefghij" * 30, "klmnop" * 10, "qrstuvwxyz" * 20]
     lm = kv_eval(
         model, texts, options=KVEvalOptions(task="lm", methods="knorm", ratios=[0, 0.25],

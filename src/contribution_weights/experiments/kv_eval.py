@@ -86,6 +86,26 @@ class KVEvalResult:
         """Passkey accuracy per (method, ratio, depth)."""
         return summarise(self.per_item, self.config["task"], by=("depth",))
 
+    @classmethod
+    def load(cls, folder: str | Path) -> KVEvalResult:
+        """The rows written so far in a run folder (a finished or an interrupted run)."""
+        import json
+
+        folder = Path(folder)
+        config = json.loads((folder / "config.json").read_text())
+        per_item = pd.read_csv(folder / PER_ITEM)
+        rows_per_item = per_item.groupby("item").size()
+        complete = rows_per_item[rows_per_item == rows_per_item.max()].index
+        return cls(per_item[per_item["item"].isin(complete)].reset_index(drop=True), config)
+
+    def save(self, folder: str | Path) -> Path:
+        """Write ``summary.csv`` (and ``summary_depth.csv`` for passkey) into ``folder``."""
+        folder = Path(folder)
+        self.summary.to_csv(folder / SUMMARY, index=False)
+        if self.config["task"] == "passkey":
+            self.by_depth().to_csv(folder / SUMMARY_DEPTH, index=False)
+        return folder
+
     def plot(self, path: str | Path | None = None) -> Any:
         from ..presentation.kv_plots import plot_kv
 
