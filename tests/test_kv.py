@@ -234,3 +234,15 @@ def test_kv_eval_runs_resumes_and_summarises(tmp_path: Any) -> None:
     assert lm.config["items_available"] == 2
     with pytest.raises(ValueError, match="compression ratio"):
         KVEvalOptions(ratios=[0.5, 1.0]).check()
+
+
+def test_cli_rejects_bad_ratios_and_methods_before_loading(tmp_path: Any, capsys: Any) -> None:
+    from contribution_weights.cli import main
+
+    out = str(tmp_path / "o")
+    assert main(["kv-eval", "--task", "passkey", "--ratios", "0,1.0", "--out", out]) == 2
+    assert "compression ratio" in capsys.readouterr().err
+    assert main(["kv-eval", "--task", "passkey", "--methods", "h2o,zzz", "--out", out]) == 2
+    assert "unknown KV-cache method 'zzz'" in capsys.readouterr().err
+    assert main(["kv-eval", "--task", "lm", "--out", out]) == 2
+    assert "--dataset NAME or --texts" in capsys.readouterr().err
