@@ -74,9 +74,11 @@ def run(args: argparse.Namespace) -> int:
     result = kv_eval(model, texts, options=options, out=args.out, resume=args.resume, source=source)
     print(result.summary.to_string(index=False, float_format=lambda x: f"{x:.4g}"))
     n_done = int(result.summary["n"].max()) if not result.summary.empty else 0
-    if n_done < options.n:
-        print(f"only {n_done} of {options.n} items: the texts ran out (each needs "
-              f"{options.context_tokens + 129} tokens)" if task == "lm" else "")  # fmt: skip
+    if task == "lm" and n_done < options.n:
+        print(
+            f"only {n_done} of {options.n} items: the texts ran out (each needs "
+            f"{options.context_tokens + 129} tokens)"
+        )
     written = "per_item.csv, summary.csv"
     if not result.summary.empty:
         result.plot(args.out / f"kv-{METRIC[task]}.png")
