@@ -64,7 +64,7 @@ def main() -> int:
     c = args.context
     rows = []
     for ids in lm_items(model, cw.data.load_texts("fineweb-edu"), c, args.n):
-        prefix, fed = lm_item(model, ids, c)
+        prefix, fed = lm_item(ids, c)
         pre = cw.kv.prefill(model, prefix)
         pos = torch.arange(c, c + 128)[None]
         layers = set(pre.stats)

@@ -64,7 +64,7 @@ def ours(args: argparse.Namespace) -> None:
         "items": [],
     }
     for ids in lm_items(model, texts, args.context, args.n):
-        prefix, fed = lm_item(model, ids, args.context)
+        prefix, fed = lm_item(ids, args.context)
         pre = cw.kv.prefill(model, prefix)
         item: dict[str, Any] = {"ids": ids, "scores": {}, "kept": {}, "nll": {}}
         item["nll"]["none"] = lm_score(model, cw.kv.compress(pre, "knorm", 0.0), fed)["nll"]

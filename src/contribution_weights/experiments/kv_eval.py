@@ -135,7 +135,7 @@ def _items(model: LoadedModel, opts: KVEvalOptions, texts: Sequence[str] | None)
     else:
         assert texts is not None
         for ids in lm_items(model, texts, opts.context_tokens, opts.n):
-            yield lm_item(model, ids, opts.context_tokens)
+            yield lm_item(ids, opts.context_tokens)
 
 
 def first_token_kept(kept: dict[int, torch.Tensor]) -> float:

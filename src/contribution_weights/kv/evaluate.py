@@ -70,7 +70,7 @@ def lm_items(
                 return
 
 
-def lm_item(model: LoadedModel, ids: Tensor, context: int) -> tuple[Tensor, Tensor]:
+def lm_item(ids: Tensor, context: int) -> tuple[Tensor, Tensor]:
     """(prefill ids, fed continuation ids), both ``(1, ·)``."""
     return ids[None, :context], ids[None, context : context + CONTINUATION + 1]
 
