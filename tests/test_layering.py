@@ -12,7 +12,7 @@ PACKAGE = Path(contribution_weights.__file__).parent
 LAYERS = [
     {"families", "measures", "progress", "runs", "data", "storage"},
     {"capture", "loading", "results"},
-    {"interventions", "inputs"},
+    {"interventions", "inputs", "kv"},
     {"tracing", "experiments"},
     {"presentation"},
     {"cli"},

@@ -18,7 +18,7 @@ functions included, by ``tests/test_layering.py``):
 2. ``capture`` (getting internals out of a model), ``loading`` (models), ``results``
    (the ``Trace`` container);
 3. ``interventions`` (every intervention, and running them as batched forwards),
-   ``inputs`` (encoding texts, resolving layers);
+   ``inputs`` (encoding texts, resolving layers), ``kv`` (KV-cache compression);
 4. ``tracing`` and ``experiments`` (faithfulness, downstream, geometry on one runner);
 5. ``presentation`` (figures, Markdown, the HTML report);
 6. ``cli``, then this package's ``__init__`` and ``__main__``.
@@ -29,7 +29,7 @@ lazily, inside the method.
 """
 
 from . import progress  # noqa: F401, I001  (first: quiets tqdm's notebook warning)
-from . import data
+from . import data, kv
 from .capture import CaptureError, CaptureSession, LayerCall, capturing
 from .experiments import geometry
 from .experiments.downstream import DownstreamOptions, DownstreamResult, downstream
@@ -69,6 +69,7 @@ __all__ = [
     "faithfulness",
     "geometry",
     "get_measure",
+    "kv",
     "load_model",
     "measure_names",
     "register_family",

@@ -12,9 +12,25 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from . import downstream_cmd, faithfulness_cmd, geometry_cmd, measures_cmd, report_cmd, trace_cmd
+from . import (
+    downstream_cmd,
+    faithfulness_cmd,
+    geometry_cmd,
+    kv_cmd,
+    measures_cmd,
+    report_cmd,
+    trace_cmd,
+)
 
-COMMANDS = [trace_cmd, measures_cmd, report_cmd, faithfulness_cmd, downstream_cmd, geometry_cmd]
+COMMANDS = [
+    trace_cmd,
+    measures_cmd,
+    report_cmd,
+    faithfulness_cmd,
+    downstream_cmd,
+    geometry_cmd,
+    kv_cmd,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

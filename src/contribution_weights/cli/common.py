@@ -94,6 +94,17 @@ def load_corpus(args: argparse.Namespace) -> tuple[list[str], str]:
     return (texts if args.n is None else texts[: args.n]), str(path)
 
 
+def parse_floats(value: str) -> list[float]:
+    """An argparse type: ``"1,0.5,0"`` -> ``[1.0, 0.5, 0.0]`` (at least one number)."""
+    try:
+        out = [float(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers like 1,0.5,0, not {value!r}") from None
+    if not out:
+        raise argparse.ArgumentTypeError("give at least one number")
+    return out
+
+
 def positive_int(value: str) -> int:
     """An argparse type: an integer >= 1."""
     try:

@@ -1,0 +1,111 @@
+"""What evicting the sink token does, next to what its contribution says (docs/kv-cache.md).
+
+``python benchmarks/kv_sinks.py [--model smollm2] [--n 8] [--context 512] [--out FILE]``
+
+On the first ``--n`` FineWeb-Edu LM items (``cw kv-eval``'s items), after a prefill of C
+tokens, the NLL of the next 128 tokens when token 0 is
+
+* kept (the full cache);
+* evicted from every compressible layer's cache: the softmax renormalises over the rest
+  (what any KV-cache method does);
+* removed the faithfulness way (SPEC §4): its attention column multiplied by 0 on the
+  capture path, without renormalising (what ĉ measures);
+
+and, from the prefill's last-64-query window, token 0's share of the attention
+(mean over heads of α_i0) and of the absolute contribution (Σ|ĉ_i0| / Σ_j |ĉ_ij|).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+from pathlib import Path
+from typing import Any
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+class _ZeroFirstColumn:
+    """Capture intervention: multiply attention column 0 by 0 in the given layers."""
+
+    def __init__(self, layers: set[int]) -> None:
+        self.layers = layers
+
+    def column_scale(self, call: Any) -> Any:
+        import torch
+
+        if call.layer_idx not in self.layers:
+            return None
+        scale = torch.ones(call.batch, call.num_heads, call.k_len, dtype=call.query.dtype)
+        scale[..., 0] = 0
+        return scale
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    os.environ.setdefault("CW_DATA_DIR", str(SHARED))
+
+    import torch
+
+    import contribution_weights as cw
+    from contribution_weights.capture import capturing
+    from contribution_weights.kv.evaluate import continuation_nll, lm_item, lm_items
+
+    model = cw.load_model(args.model)
+    net = model.model
+    c = args.context
+    rows = []
+    for ids in lm_items(model, cw.data.load_texts("fineweb-edu"), c, args.n):
+        prefix, fed = lm_item(ids, c)
+        pre = cw.kv.prefill(model, prefix)
+        pos = torch.arange(c, c + 128)[None]
+        layers = set(pre.stats)
+
+        def nll(cache: Any, intervention: Any = None, fed: Any = fed, pos: Any = pos) -> float:
+            with torch.no_grad():
+                if intervention is None:
+                    logits = net(input_ids=fed[:, :-1], cache=cache, position_ids=pos).logits
+                else:
+                    with capturing(net, intervention=intervention):
+                        logits = net(input_ids=fed[:, :-1], cache=cache, position_ids=pos).logits
+            return continuation_nll(logits, fed[:, 1:])
+
+        evicted = copy.deepcopy(pre.cache)
+        for i in layers:
+            evicted.layers[i].keys = evicted.layers[i].keys[:, :, 1:].contiguous()
+            evicted.layers[i].values = evicted.layers[i].values[:, :, 1:].contiguous()
+        alpha = [float(s.window_probs[..., 0].mean()) for s in pre.stats.values()]
+        share = [
+            float((s.window_contribution[..., 0] / s.window_contribution.sum(-1)).mean())
+            for s in pre.stats.values()
+        ]
+        rows.append(
+            {
+                "nll_full": nll(copy.deepcopy(pre.cache)),
+                "nll_full_capture": nll(copy.deepcopy(pre.cache), _ZeroFirstColumn(set())),
+                "nll_evicted": nll(evicted),
+                "nll_zeroed": nll(copy.deepcopy(pre.cache), _ZeroFirstColumn(layers)),
+                "alpha_share_token0": statistics.mean(alpha),
+                "contribution_share_token0": statistics.mean(share),
+            }
+        )
+        print(json.dumps(rows[-1]))
+    summary = {k: statistics.mean(r[k] for r in rows) for k in rows[0]}
+    sem = {k + "_se": statistics.stdev(r[k] for r in rows) / len(rows) ** 0.5 for k in rows[0]}
+    result = {"model": model.name, "context": c, "n": len(rows), **summary, **sem}
+    print(json.dumps(result, indent=2))
+    if args.out is not None:
+        args.out.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

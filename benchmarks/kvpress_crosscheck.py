@@ -1,0 +1,211 @@
+"""Cross-check of ``contribution_weights.kv`` against kvpress 0.5.5, the reference library.
+
+kvpress 0.5.5 pins ``transformers < 5.3`` while this package needs 5.24, so the check runs
+in two environments and meets in one file::
+
+    # 1. ours (the project's .venv): scores, kept sets and NLL, plus the inputs
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/kvpress_crosscheck.py ours --out xc.pt
+    # 2. kvpress (its own venv, see benchmarks/kvpress-requirements.txt): the same inputs
+    #    through kvpress's presses on the same weights, compared with step 1
+    OMP_NUM_THREADS=1 /path/to/kvpress-venv/bin/python benchmarks/kvpress_crosscheck.py \\
+        kvpress --ours xc.pt --report xc.json
+
+Setting up the kvpress environment (not part of ``make test``)::
+
+    python3 -m venv /work/kvpress-venv
+    /work/kvpress-venv/bin/pip install torch==2.13.0    # CPU wheel, first
+    /work/kvpress-venv/bin/pip install -r benchmarks/kvpress-requirements.txt
+
+Model: SmolLM2-135M (the package's embedded model), loaded in the kvpress environment
+with plain transformers from the dequantised safetensors folder that ``cw.load_model()``
+writes (its path is stored in the file of step 1), in float32 with eager attention (kvpress's
+ObservedAttentionPress needs the attention weights).
+
+Inputs: the first ``--n`` FineWeb-Edu LM items of ``C + 129`` tokens (as ``cw kv-eval``).
+For every method both libraries have (StreamingLLM, observed attention, SnapKV, TOVA, key
+norm) and ratio, the report gives the largest score difference (methods whose scores do
+not depend on the ratio), the fraction of kept entries that agree, and both NLLs of the
+next 128 tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+# ours -> kvpress press name
+SHARED_METHODS = {
+    "streaming_llm": "StreamingLLMPress",
+    "observed_attention": "ObservedAttentionPress",
+    "snapkv": "SnapKVPress",
+    "tova": "TOVAPress",
+    "knorm": "KnormPress",
+}
+RATIO_FREE = {"observed_attention", "snapkv", "tova", "knorm"}  # scores independent of ratio
+
+
+def ours(args: argparse.Namespace) -> None:
+    import torch
+
+    import contribution_weights as cw
+    from contribution_weights.kv.evaluate import lm_item, lm_items, lm_score
+
+    os.environ.setdefault("CW_DATA_DIR", str(SHARED))
+    model = cw.load_model()
+    texts = cw.data.load_texts("fineweb-edu")
+    record: dict[str, Any] = {
+        "model_dir": str(model.model.name_or_path),
+        "context": args.context,
+        "ratios": args.ratios,
+        "items": [],
+    }
+    for ids in lm_items(model, texts, args.context, args.n):
+        prefix, fed = lm_item(ids, args.context)
+        pre = cw.kv.prefill(model, prefix)
+        item: dict[str, Any] = {"ids": ids, "scores": {}, "kept": {}, "nll": {}}
+        item["nll"]["none"] = lm_score(model, cw.kv.compress(pre, "knorm", 0.0), fed)["nll"]
+        for method in SHARED_METHODS:
+            spec = cw.kv.get_method(method)
+            item["scores"][method] = {i: spec.score(s).float() for i, s in pre.stats.items()}
+            for ratio in args.ratios:
+                small = cw.kv.compress(pre, method, ratio)
+                item["kept"][(method, ratio)] = small.kept
+                item["nll"][(method, ratio)] = lm_score(model, small, fed)["nll"]
+        record["items"].append(item)
+        print(f"ours: item {len(record['items'])} done")
+    torch.save(record, args.out)
+    print(f"wrote {args.out} (model folder {record['model_dir']})")
+
+
+def kvpress_side(args: argparse.Namespace) -> None:
+    import kvpress
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    record = torch.load(args.ours, weights_only=False)
+    model = AutoModelForCausalLM.from_pretrained(
+        record["model_dir"], dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    c = record["context"]
+    report: dict[str, Any] = {
+        "kvpress": kvpress.__version__ if hasattr(kvpress, "__version__") else "0.5.5",
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "model_dir": record["model_dir"],
+        "context": c,
+        "n_items": len(record["items"]),
+        "rows": [],
+    }
+    for n_item, item in enumerate(record["items"]):
+        ids = item["ids"][None]
+        prefix, fed = ids[:, :c], ids[:, c : c + 129]
+        with torch.no_grad():
+            cache = DynamicCache()
+            model(input_ids=prefix, past_key_values=cache)
+            logits = model(
+                input_ids=fed[:, :-1], past_key_values=cache,
+                position_ids=torch.arange(c, c + 128)[None],
+            ).logits  # fmt: skip
+        base = _nll(logits, fed[:, 1:])
+        report["rows"].append(
+            {"item": n_item, "method": "none", "ratio": 0.0, "nll_ours": item["nll"]["none"],
+             "nll_kvpress": base}
+        )  # fmt: skip
+        for method, press_name in SHARED_METHODS.items():
+            for ratio in record["ratios"]:
+                press = getattr(kvpress, press_name)(compression_ratio=ratio)
+                scores: list[Any] = []
+                original = press.score
+
+                def score(*a: Any, _orig: Any = original, _out: list[Any] = scores) -> Any:
+                    s = _orig(*a)
+                    _out.append(s.detach().float())
+                    return s
+
+                press.score = score  # type: ignore[method-assign]
+                with torch.no_grad(), press(model):
+                    cache = DynamicCache()
+                    model(input_ids=prefix, past_key_values=cache)
+                with torch.no_grad():
+                    logits = model(
+                        input_ids=fed[:, :-1], past_key_values=cache,
+                        position_ids=torch.arange(c, c + 128)[None],
+                    ).logits  # fmt: skip
+                theirs_kept = [
+                    s.topk(max(1, int(s.shape[-1] * (1 - ratio))), dim=-1).indices.sort(-1).values
+                    for s in scores
+                ]
+                mine = item["kept"][(method, ratio)]
+                agree = [_agreement(mine[i], theirs_kept[i]) for i in sorted(mine)]
+                row = {
+                    "item": n_item,
+                    "method": method,
+                    "ratio": ratio,
+                    "kept_agreement": sum(agree) / len(agree),
+                    "nll_ours": item["nll"][(method, ratio)],
+                    "nll_kvpress": _nll(logits, fed[:, 1:]),
+                }
+                if method in RATIO_FREE:
+                    row["score_max_abs_diff"] = max(
+                        float((item["scores"][method][i] - scores[i]).abs().max())
+                        for i in sorted(mine)
+                    )
+                    row["score_max_abs"] = max(float(s.abs().max()) for s in scores)
+                report["rows"].append(row)
+        print(f"kvpress: item {n_item + 1} done")
+    Path(args.report).write_text(json.dumps(report, indent=2))
+    _print_summary(report)
+
+
+def _nll(logits: Any, targets: Any) -> float:
+    import torch
+
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    return float(-logp.gather(-1, targets[..., None]).mean())
+
+
+def _agreement(a: Any, b: Any) -> float:
+    """Fraction of kept positions the two kept sets share, over layers' KV heads."""
+    same = (a[..., :, None] == b[..., None, :]).any(-1).float().mean()
+    return float(same)
+
+
+def _print_summary(report: dict[str, Any]) -> None:
+    import pandas as pd
+
+    df = pd.DataFrame(report["rows"])
+    df["nll_abs_diff"] = (df["nll_ours"] - df["nll_kvpress"]).abs()
+    agg = {"kept_agreement": "mean", "nll_abs_diff": "max", "nll_ours": "mean",
+           "nll_kvpress": "mean"}  # fmt: skip
+    if "score_max_abs_diff" in df:
+        agg["score_max_abs_diff"] = "max"
+    print(df.groupby(["method", "ratio"], sort=False).agg(agg).to_string(float_format="%.4g"))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="side", required=True)
+    a = sub.add_parser("ours", help="run in the project's environment")
+    a.add_argument("--n", type=int, default=4, help="FineWeb-Edu items (default 4)")
+    a.add_argument("--context", type=int, default=512, help="C, tokens prefilled (default 512)")
+    a.add_argument("--ratios", type=lambda s: [float(x) for x in s.split(",")],
+                   default=[0.25, 0.5, 0.75, 0.9])  # fmt: skip
+    a.add_argument("--out", type=Path, required=True)
+    b = sub.add_parser("kvpress", help="run in the kvpress environment")
+    b.add_argument("--ours", type=Path, required=True)
+    b.add_argument("--report", type=Path, required=True)
+    args = p.parse_args()
+    if args.side == "ours":
+        ours(args)
+    else:
+        kvpress_side(args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

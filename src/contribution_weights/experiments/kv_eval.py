@@ -1,0 +1,239 @@
+"""``cw kv-eval``: KV-cache compression methods against ratio, on LM and passkey tasks.
+
+Per item, one scored prefill (:func:`~contribution_weights.kv.prefill`) serves every
+method and ratio; each (method, ratio) is a copy of the cache compressed and evaluated by
+the task (:mod:`contribution_weights.kv.evaluate`). Ratio 0 (no compression) is evaluated
+once per item, under the method name ``none``. Rows are appended to ``per_item.csv`` as
+each item finishes, so an interrupted run resumes where it stopped (a
+:class:`~contribution_weights.runs.RunFolder`, as the faithfulness experiment).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+
+from ..kv import compress, prefill, resolve_methods
+from ..kv.cache import check_ratio
+from ..kv.evaluate import lm_item, lm_items, lm_score, passkey_items, passkey_score
+from ..kv.methods import WINDOW
+from ..loading import LoadedModel
+from ..progress import bar
+from ..runs import RunFolder, fingerprint
+
+TASKS = ("lm", "passkey")
+METRIC = {"lm": "nll", "passkey": "accuracy"}
+DEFAULT_RATIOS = (0.0, 0.25, 0.5, 0.75, 0.9)
+PER_ITEM = "per_item.csv"
+SUMMARY = "summary.csv"
+SUMMARY_DEPTH = "summary_depth.csv"
+NO_COMPRESSION = "none"
+
+
+@dataclass
+class KVEvalOptions:
+    """Options shared by :func:`kv_eval` and ``cw kv-eval``."""
+
+    task: str = "lm"
+    methods: Sequence[str] | str = "all"
+    ratios: Sequence[float] = DEFAULT_RATIOS
+    context_tokens: int = 512
+    n: int = 32
+    window: int = WINDOW
+    seed: int = 0
+
+    def check(self) -> KVEvalOptions:
+        if self.task not in TASKS:
+            raise ValueError(f"unknown task {self.task!r}; choose from {', '.join(TASKS)}")
+        methods = resolve_methods(self.methods)
+        ratios = sorted({check_ratio(r) for r in self.ratios})
+        if not ratios:
+            raise ValueError("give at least one compression ratio, e.g. 0,0.5,0.9")
+        if self.context_tokens < 2 * self.window:
+            raise ValueError(
+                f"--context-tokens {self.context_tokens} is too short for an observation "
+                f"window of {self.window} queries; use at least {2 * self.window}"
+            )
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+        return KVEvalOptions(
+            self.task, methods, ratios, self.context_tokens, self.n, self.window, self.seed
+        )
+
+    def configurations(self) -> list[tuple[str, float]]:
+        out = [(NO_COMPRESSION, 0.0)] if 0.0 in self.ratios else []
+        return out + [(m, r) for m in self.methods for r in self.ratios if r > 0]
+
+
+@dataclass
+class KVEvalResult:
+    """Per-item rows, their summary, and the run's configuration."""
+
+    per_item: pd.DataFrame
+    config: dict[str, Any]
+    summary: pd.DataFrame = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.summary = summarise(self.per_item, self.config["task"])
+
+    def by_depth(self) -> pd.DataFrame:
+        """Passkey accuracy per (method, ratio, depth)."""
+        return summarise(self.per_item, self.config["task"], by=("depth",))
+
+    @classmethod
+    def load(cls, folder: str | Path) -> KVEvalResult:
+        """The rows written so far in a run folder (a finished or an interrupted run)."""
+        import json
+
+        folder = Path(folder)
+        config = json.loads((folder / "config.json").read_text())
+        per_item = pd.read_csv(folder / PER_ITEM)
+        rows_per_item = per_item.groupby("item").size()
+        complete = rows_per_item[rows_per_item == rows_per_item.max()].index
+        return cls(per_item[per_item["item"].isin(complete)].reset_index(drop=True), config)
+
+    def save(self, folder: str | Path) -> Path:
+        """Write ``summary.csv`` (and ``summary_depth.csv`` for passkey) into ``folder``."""
+        folder = Path(folder)
+        self.summary.to_csv(folder / SUMMARY, index=False)
+        if self.config["task"] == "passkey":
+            self.by_depth().to_csv(folder / SUMMARY_DEPTH, index=False)
+        return folder
+
+    def plot(self, path: str | Path | None = None) -> Any:
+        from ..presentation.kv_plots import plot_kv
+
+        c = self.config
+        n = int(self.summary["n"].max()) if not self.summary.empty else 0
+        title = f"{c['model']} · {c['source']} · C={c['context_tokens']} · n={n}"
+        return plot_kv(self.summary, METRIC[c["task"]], path=path, title=title)
+
+
+def summarise(per_item: pd.DataFrame, task: str, by: Sequence[str] = ()) -> pd.DataFrame:
+    """Mean and standard error over items per (method, ratio[, by…])."""
+    metric = METRIC[task]
+    cols = ["method", "task", "ratio", *by, "n", f"{metric}_mean", f"{metric}_se"]
+    if per_item.empty:
+        return pd.DataFrame(columns=cols)
+    g = per_item.groupby(["method", "ratio", *by], sort=False)
+    out = g.agg(
+        n=(metric, "size"), **{f"{metric}_mean": (metric, "mean"), f"{metric}_se": (metric, "sem")}
+    ).reset_index()
+    out["task"] = task
+    return out.sort_values(["ratio", "method", *by], kind="stable")[cols].reset_index(drop=True)
+
+
+def _items(model: LoadedModel, opts: KVEvalOptions, texts: Sequence[str] | None) -> Iterator[Any]:
+    if opts.task == "passkey":
+        yield from passkey_items(model, opts.context_tokens, opts.n, opts.seed)
+    else:
+        assert texts is not None
+        for ids in lm_items(model, texts, opts.context_tokens, opts.n):
+            yield lm_item(ids, opts.context_tokens)
+
+
+def first_token_kept(kept: dict[int, torch.Tensor]) -> float:
+    """Fraction of (layer, KV head) kept sets that hold position 0 (the usual sink)."""
+    flags = [(k == 0).any(-1).float().mean() for k in kept.values()]
+    return round(float(torch.stack(flags).mean()), 4) if flags else 1.0
+
+
+def item_rows(model: LoadedModel, item: Any, opts: KVEvalOptions) -> list[dict[str, Any]]:
+    """One row per (method, ratio) configuration of one item."""
+    context = item.context if opts.task == "passkey" else item[0]
+    started = time.perf_counter()
+    pre = prefill(model, context, opts.window, seed=opts.seed)
+    prefill_s = time.perf_counter() - started
+    rows = []
+    for method, ratio in opts.configurations():
+        small = compress(pre, "h2o" if method == NO_COMPRESSION else method, ratio)
+        if opts.task == "passkey":
+            scores = passkey_score(model, small, item)
+            extra = {"depth": item.depth}
+        else:
+            scores = lm_score(model, small, item[1])
+            extra = {}
+        rows.append(
+            {
+                "method": method,
+                "ratio": ratio,
+                **extra,
+                **scores,
+                "first_token_kept": first_token_kept(small.kept),
+                "prefill_s": round(prefill_s, 3),
+            }
+        )
+    return rows
+
+
+def kv_eval(
+    model: LoadedModel,
+    texts: Sequence[str] | None = None,
+    *,
+    options: KVEvalOptions | None = None,
+    out: str | Path | None = None,
+    resume: bool = False,
+    source: str | None = None,
+    progress: bool = True,
+) -> KVEvalResult:
+    """Evaluate KV-cache compression methods (see the module docstring and ``cw kv-eval``).
+
+    ``texts`` (for the ``lm`` task) are running texts; consecutive ones are joined until
+    an item has ``context_tokens + 129`` tokens. The ``passkey`` task needs no texts.
+    """
+    opts = (options or KVEvalOptions()).check()
+    if opts.task == "lm" and not texts:
+        raise ValueError("the lm task needs texts: pass --dataset or --texts")
+    config = {
+        "experiment": "kv-eval",
+        "model": model.name,
+        **{k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in asdict(opts).items()},
+        "texts_sha256": fingerprint(texts or []),
+        "source": source or opts.task,
+    }
+    folder = RunFolder(out, config, resume=resume) if out is not None else None
+    size = len(opts.configurations())
+    rows: list[dict[str, Any]] = []
+    done: set[int] = set()
+    if folder is not None:
+        kept, keys = folder.complete_rows(PER_ITEM, "item", size)
+        rows, done = list(kept), {int(k) for k in keys}
+    progress_bar = bar(total=opts.n, initial=len(done), desc="kv-eval", unit="item",
+                       disable=not progress)  # fmt: skip
+    made = 0
+    started = time.perf_counter()
+    try:
+        for i, item in enumerate(_items(model, opts, texts)):
+            made += 1
+            if i in done:
+                continue
+            item_out = [{"item": i, "task": opts.task, **r} for r in item_rows(model, item, opts)]
+            if folder is not None:
+                folder.append_rows(PER_ITEM, item_out)
+            rows.extend(item_out)
+            progress_bar.update(1)
+    finally:
+        progress_bar.close()
+    frame = pd.DataFrame(rows)
+    if not frame.empty:
+        frame["item"] = frame["item"].astype(int)
+        frame["ratio"] = frame["ratio"].astype(float)
+        metric = METRIC[opts.task]
+        frame[metric] = frame[metric].astype(float)
+        if "depth" in frame:
+            frame["depth"] = frame["depth"].astype(float)
+        frame = frame.sort_values(["item"], kind="stable").reset_index(drop=True)
+    config["items_available"] = made
+    config["seconds"] = round(time.perf_counter() - started, 1)
+    result = KVEvalResult(frame, config)
+    if folder is not None:
+        folder.write_bytes(SUMMARY, result.summary.to_csv(index=False).encode())
+        if opts.task == "passkey":
+            folder.write_bytes(SUMMARY_DEPTH, result.by_depth().to_csv(index=False).encode())
+    return result

@@ -1,0 +1,248 @@
+"""KV-cache compression (contribution_weights.kv) on tiny random models, in float64.
+
+The reference for continuing on a compressed cache is independent of the gathering code:
+the model runs the continuation on the *uncompressed* prefill cache (default positions)
+through an eager float64 attention function that hides, per layer and KV head, the
+prefill keys that were evicted. Its logits must equal those computed on the compressed
+cache, whose positions are passed explicitly to continue at the prefill length.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pandas as pd
+import pytest
+import torch
+from reference import eager_run, reference_layer
+from tiny_models import tiny_model
+from torch import Tensor, nn
+
+from contribution_weights import kv
+from contribution_weights.kv.evaluate import continuation_nll
+
+FAMILIES = ["llama", "qwen2", "gemma3_text", "gpt2", "phi3"]  # qwen2/llama/gemma3: GQA
+T, N, WINDOW = 24, 6, 8
+REFERENCE = "kv_reference_test"
+_drop: dict[int, Tensor] = {}  # layer -> (B, G, T) bool evicted, read by _reference_attention
+
+
+def _ids(length: int, seed: int) -> Tensor:
+    return torch.randint(0, 99, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def tiny(request: Any) -> Any:
+    return tiny_model(request.param, dtype=torch.float64)
+
+
+def _reference_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    softcap: float | None = None,
+    **_: Any,
+) -> tuple[Tensor, None]:
+    rep = query.shape[1] // key.shape[1]
+    k = key.repeat_interleave(rep, dim=1)
+    v = value.repeat_interleave(rep, dim=1)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    scores = query @ k.transpose(2, 3) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is not None:
+        mask = attention_mask[:, :, :, : k.shape[2]]
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        else:
+            scores = scores + mask
+    drop = _drop.get(int(module.layer_idx))  # type: ignore[arg-type]
+    if drop is not None:  # every query here is a continuation query
+        hidden = torch.zeros_like(scores, dtype=torch.bool)
+        hidden[..., :T] = drop.repeat_interleave(rep, dim=1)[:, :, None, :]
+        scores = scores.masked_fill(hidden, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return (probs @ v).transpose(1, 2).contiguous(), None
+
+
+def _reference_logits(
+    model: nn.Module, cache: Any, new_ids: Tensor, drop: dict[int, Tensor]
+) -> Tensor:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(REFERENCE, _reference_attention)
+    AttentionMaskInterface.register(REFERENCE, eager_mask)
+    previous = model.config._attn_implementation
+    _drop.clear()
+    _drop.update(drop)
+    try:
+        model.set_attn_implementation(REFERENCE)
+        with torch.no_grad():
+            return model(input_ids=new_ids, cache=copy.deepcopy(cache)).logits
+    finally:
+        _drop.clear()
+        model.set_attn_implementation(previous)
+
+
+@pytest.mark.parametrize("method", ["contribution_sinks", "snapkv", "tova", "random", "knorm"])
+def test_continuation_matches_attention_over_kept_entries(tiny: Any, method: str) -> None:
+    ids = _ids(T + N, seed=3)
+    pre = kv.prefill(tiny, ids[:, :T], window=WINDOW)
+    small = kv.compress(pre, method, 0.5)
+    with torch.no_grad():
+        got = small.forward(tiny.model, ids[:, T:]).logits
+    drop = {}
+    for layer, kept in small.kept.items():
+        evicted = torch.ones(*kept.shape[:2], T, dtype=torch.bool)
+        evicted.scatter_(2, kept, False)
+        drop[layer] = evicted
+    want = _reference_logits(tiny.model, pre.cache, ids[:, T:], drop)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    # and the eviction mattered: the uncompressed continuation differs
+    full = _reference_logits(tiny.model, pre.cache, ids[:, T:], {})
+    assert (full - got).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("ratio", [0.25, 0.5, 0.9])
+def test_each_method_keeps_exactly_the_requested_entries_per_head(tiny: Any, ratio: float) -> None:
+    pre = kv.prefill(tiny, _ids(T, seed=4), window=WINDOW)
+    want = max(1, int(T * (1 - ratio)))
+    for method in kv.method_names():
+        small = kv.compress(pre, method, ratio)
+        assert small.kept, method
+        for layer, kept in small.kept.items():
+            assert kept.shape[-1] == want, (method, layer)
+            assert small.cache.layers[layer].keys.shape[-2] == want
+            assert small.cache.layers[layer].values.shape[-2] == want
+            assert all(row.unique().numel() == want for row in kept.reshape(-1, want))
+            assert bool((kept.diff(dim=-1) > 0).all())  # ascending, original order
+        assert pre.cache.layers[next(iter(small.kept))].keys.shape[-2] == T  # untouched
+
+
+def test_ratio_zero_is_bit_identical(tiny: Any) -> None:
+    ids = _ids(T + N, seed=5)
+    pre = kv.prefill(tiny, ids[:, :T], window=WINDOW)
+    small = kv.compress(pre, "contribution", 0.0)
+    for a, b in zip(small.cache.layers, pre.cache.layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    plain = copy.deepcopy(pre.cache)
+    with torch.no_grad():
+        out = tiny.model(input_ids=ids[:, T:], cache=plain).logits
+    nll_plain = continuation_nll(out[:, :-1], ids[:, T + 1 :])
+    zero = small.forward(tiny.model, ids[:, T:]).logits
+    nll_zero = continuation_nll(zero[:, :-1], ids[:, T + 1 :])
+    assert nll_plain == nll_zero
+
+
+def test_stats_match_eager_reference(tiny: Any) -> None:
+    ids = _ids(T, seed=6)
+    pre = kv.prefill(tiny, ids, window=WINDOW)
+    run = eager_run(tiny.model, ids)
+    valid = torch.ones(T, T, dtype=torch.bool).tril()
+    for layer, stats in pre.stats.items():
+        probs = run.probs[layer][0]
+        ref = reference_layer(
+            probs[:, T - WINDOW :], run.values[layer][0], run.weights[layer],
+            run.biases[layer], valid[T - WINDOW :],
+        )  # fmt: skip
+        torch.testing.assert_close(stats.attn_sum[0], probs.sum(1), rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(stats.window_probs[0], probs[:, T - WINDOW :])
+        torch.testing.assert_close(
+            stats.window_contribution[0], ref["contribution"].abs().sum(1), rtol=1e-9, atol=1e-12
+        )
+
+
+def test_generate_on_a_compressed_cache_matches_a_manual_greedy_loop() -> None:
+    model = tiny_model("qwen2", dtype=torch.float64)
+    ids = _ids(T + 3, seed=7)
+    pre = kv.prefill(model, ids[:, :T], window=WINDOW)
+    gen = kv.compress(pre, "contribution_sinks", 0.5).generate(
+        model.model, ids[:, T:], max_new_tokens=5, do_sample=False
+    )
+    manual = kv.compress(pre, "contribution_sinks", 0.5)
+    tokens = ids[:, T:]
+    step = tokens
+    with torch.no_grad():
+        for _ in range(5):
+            nxt = manual.forward(model.model, step).logits[:, -1].argmax(-1, keepdim=True)
+            tokens = torch.cat([tokens, nxt], dim=1)
+            step = nxt
+    assert torch.equal(gen, tokens)
+
+
+def test_sink_protection_keeps_sinks() -> None:
+    model = tiny_model("llama", dtype=torch.float64)
+    pre = kv.prefill(model, _ids(T, seed=8), window=WINDOW)
+    small = kv.compress(pre, "contribution_sinks", 0.75)  # keeps 6 of 24
+    for kept in small.kept.values():
+        for row in kept.reshape(-1, kept.shape[-1]).tolist():
+            assert {0, 1, 2, 3} <= set(row)
+
+
+@pytest.mark.parametrize("ratio", [-0.1, 1.0, 1.5, float("nan"), "half"])
+def test_bad_ratio_is_a_clear_error(ratio: Any) -> None:
+    model = tiny_model("llama")
+    pre = kv.prefill(model, _ids(T, seed=9), window=WINDOW)
+    with pytest.raises(ValueError, match=r"compression ratio .*\[0, 1\)"):
+        kv.compress(pre, "h2o", ratio)
+
+
+def test_bad_method_is_a_clear_error() -> None:
+    model = tiny_model("llama")
+    pre = kv.prefill(model, _ids(T, seed=9), window=WINDOW)
+    with pytest.raises(ValueError, match=r"unknown KV-cache method 'nope'; valid methods: .*h2o"):
+        kv.compress(pre, "nope", 0.5)
+    with pytest.raises(ValueError, match="unknown KV-cache method"):
+        kv.resolve_methods("h2o,nope")
+
+
+def test_kv_eval_runs_resumes_and_summarises(tmp_path: Any) -> None:
+    from contribution_weights.experiments.kv_eval import KVEvalOptions, KVEvalResult, kv_eval
+
+    model = tiny_model("llama")
+    opts = KVEvalOptions(
+        task="passkey", methods="contribution_sinks,h2o", ratios=[0, 0.5], context_tokens=256,
+        n=3, window=8,
+    )  # fmt: skip
+    first = kv_eval(model, options=opts, out=tmp_path / "run", progress=False)
+    assert list(first.summary.columns) == [
+        "method", "task", "ratio", "n", "accuracy_mean", "accuracy_se"
+    ]  # fmt: skip
+    assert set(zip(first.summary["method"], first.summary["ratio"], strict=True)) == {
+        ("none", 0.0), ("contribution_sinks", 0.5), ("h2o", 0.5)
+    }  # fmt: skip
+    assert (first.summary["n"] == 3).all()
+    again = kv_eval(model, options=opts, out=tmp_path / "run", resume=True, progress=False)
+    assert len(again.per_item) == len(first.per_item) == 9  # nothing redone, nothing lost
+    pd.testing.assert_frame_equal(again.summary, first.summary, check_dtype=False)
+    loaded = KVEvalResult.load(tmp_path / "run")
+    pd.testing.assert_frame_equal(loaded.summary, first.summary, check_dtype=False)
+    assert (tmp_path / "run" / "summary_depth.csv").exists()
+    texts = ["abcdefghij" * 30, "klmnop" * 10, "qrstuvwxyz" * 20]
+    lm = kv_eval(
+        model, texts, options=KVEvalOptions(task="lm", methods="knorm", ratios=[0, 0.25],
+                                             context_tokens=16, n=2, window=4),
+        progress=False,
+    )  # fmt: skip
+    assert list(lm.summary.columns) == ["method", "task", "ratio", "n", "nll_mean", "nll_se"]
+    assert lm.config["items_available"] == 2
+    with pytest.raises(ValueError, match="compression ratio"):
+        KVEvalOptions(ratios=[0.5, 1.0]).check()
+
+
+def test_cli_rejects_bad_ratios_and_methods_before_loading(tmp_path: Any, capsys: Any) -> None:
+    from contribution_weights.cli import main
+
+    out = str(tmp_path / "o")
+    assert main(["kv-eval", "--task", "passkey", "--ratios", "0,1.0", "--out", out]) == 2
+    assert "compression ratio" in capsys.readouterr().err
+    assert main(["kv-eval", "--task", "passkey", "--methods", "h2o,zzz", "--out", out]) == 2
+    assert "unknown KV-cache method 'zzz'" in capsys.readouterr().err
+    assert main(["kv-eval", "--task", "lm", "--out", out]) == 2
+    assert "--dataset NAME or --texts" in capsys.readouterr().err
