@@ -161,6 +161,8 @@ class LayerCall:
             mask = mask[:, :, rows, keys]
             if batch is not None and mask.shape[0] > 1:
                 mask = mask.index_select(0, batch)
+        else:
+            mask = self._causal_block(rows, keys, query.dtype)
         scores = self._fused_scores(query, keys_, mask)
         if scores is None:
             scores = torch.matmul(query, keys_.transpose(2, 3)) * self.scaling
@@ -174,6 +176,20 @@ class LayerCall:
         if self.spec.softmax_float32:
             return nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(self.query.dtype)
         return nn.functional.softmax(scores, dim=-1).type(self.value.dtype)
+
+    def _causal_block(self, rows: slice, keys: slice, dtype: torch.dtype) -> Tensor:
+        """``(1, 1, I, K)`` additive causal mask of a block (0 where key ≤ query, else the
+        dtype's minimum), what eager's mask holds there: the mask function gave None for
+        a plain causal layer instead of a ``T × T`` tensor."""
+        device = self.query.device
+        q_pos = torch.arange(rows.start, rows.stop, device=device) + (self.k_len - self.q_len)
+        k_pos = torch.arange(keys.start, keys.stop, device=device)
+        block = torch.zeros(
+            rows.stop - rows.start, keys.stop - keys.start, dtype=dtype, device=device
+        )
+        return block.masked_fill_(k_pos[None, :] > q_pos[:, None], torch.finfo(dtype).min)[
+            None, None
+        ]
 
     def _fused_scores(self, query: Tensor, keys: Tensor, mask: Tensor | None) -> Tensor | None:
         """``scaling · QKᵀ + mask`` in one ``baddbmm``, where that is exactly eager's
@@ -422,10 +438,13 @@ def ensure_registered() -> None:
     if _registered:
         return
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, _attention)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, eager_mask)
+    # sdpa's mask function: None for a plain causal mask (no T × T tensor is built; the
+    # attention function masks each block itself, exactly as eager's additive mask does),
+    # a bool mask where one is needed (sliding windows, padding)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
     _registered = True
 
 

@@ -270,15 +270,9 @@ def plan_memory(
     temps = 6 + len(stored) + (len(measures) if reductions else 0)
     activations = t * (hidden * 8 + ffn * 4 + (heads + 2 * kv) * head_dim * 3) * 4
     vectors = num_layers * heads * t * 16
-    # the eager attention mask transformers builds for the forward: T × T floats, one per
-    # kind of layer (full and sliding-window)
-    kinds = (
-        2
-        if getattr(cfg, "sliding_window", None)
-        and "sliding_attention" in str(getattr(cfg, "layer_types", ""))
-        else 1
-    )
-    masks = kinds * t * t * csize
+    # the mask transformers builds for the forward: none for plain causal layers, a T × T
+    # bool mask for sliding-window ones
+    masks = t * t if getattr(cfg, "sliding_window", None) is not None else 0
     working = block * temps + activations + vectors + masks
     return MemoryPlan(maps_memory, maps_disk, red, working)
 
