@@ -133,16 +133,21 @@ class DenseMaps:
         self.names = list(names)
         self.dtype = dtype
         shape = (num_layers, num_heads, num_tokens, num_tokens)
-        # zero-filled: blocks cover only the keys their queries can see
-        self.tensors = {n: torch.zeros(shape, dtype=dtype, device=device) for n in names}
+        # not zero-filled (a pass over gigabytes): each block zeroes the keys of its rows
+        # that it does not cover (those its queries cannot see)
+        self.tensors = {n: torch.empty(shape, dtype=dtype, device=device) for n in names}
 
     def destination(self, name: str, pos: int, rows: slice, keys: slice) -> Tensor:
-        """The ``(H, I, K)`` view a block is written to (for ``out=`` writes)."""
-        return self.tensors[name][pos, :, rows, keys]
+        """The ``(H, I, K)`` view a block is written to (for ``out=`` writes); the rest of
+        those rows is set to zero."""
+        full = self.tensors[name][pos, :, rows]
+        full[..., : keys.start] = 0
+        full[..., keys.stop :] = 0
+        return full[..., keys]
 
     def write(self, name: str, pos: int, rows: slice, block: Tensor, first_key: int = 0) -> None:
         keys = slice(first_key, first_key + block.shape[-1])
-        dest = self.tensors[name][pos, :, rows, keys]
+        dest = self.destination(name, pos, rows, keys)
         if block.data_ptr() != dest.data_ptr():
             dest.copy_(block)
 
