@@ -439,3 +439,12 @@ def test_entropy_without_token_0_is_accurate_for_strong_sinks():
     got = acc.results["attention"].mean_entropy(exclude_first=True)
     want = float(aggregates.entropy(w.double(), exclude_first=True).mean())
     assert got == pytest.approx(want, rel=1e-5)
+
+
+def test_all_can_be_extended():
+    from contribution_weights.measures.registry import resolve_measures
+
+    everything = resolve_measures("all,distance")
+    assert everything[-1] == "distance" and "ihc" not in everything
+    assert resolve_measures(["all"]) == resolve_measures("all")
+    assert "distance" not in resolve_measures("all")

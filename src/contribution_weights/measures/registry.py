@@ -129,7 +129,8 @@ def measure_names() -> list[str]:
 
 
 def resolve_measures(measures: str | Iterable[str] | None) -> list[str]:
-    """``"all"``, one name, a comma-separated string or a list, checked and deduplicated.
+    """``"all"``, one name, a comma-separated string or a list (which may hold ``"all"``,
+    e.g. ``"all,distance"``), checked and deduplicated.
 
     ``"all"`` is every measure marked ``in_all`` (not ``distance`` nor ``ihc``).
     """
@@ -139,9 +140,10 @@ def resolve_measures(measures: str | Iterable[str] | None) -> list[str]:
         measures = [m.strip() for m in measures.split(",") if m.strip()]
     names: list[str] = []
     for name in measures:
-        get_measure(name)
-        if name not in names:
-            names.append(name)
+        for one in resolve_measures("all") if name == "all" else [name]:  # "all,distance"
+            get_measure(one)
+            if one not in names:
+                names.append(one)
     if not names:
         raise ValueError(f"no measure named; valid measures: {', '.join(measure_names())}")
     return names
