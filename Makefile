@@ -45,8 +45,13 @@ browser:
 test: lint typecheck browser
 	$(VENV)/bin/pytest -q
 
+# the README's 512-token table, one thread and two; the long-context rows:
+#   python benchmarks/bench_trace.py --lengths 8192 --methods sdpa,no-maps,stream-f16 --threads 1
+#   python benchmarks/bench_trace.py --model gemma3-270m --lengths 32768 --methods sdpa,no-maps --threads 1
+BENCH_512 := --lengths 512 --methods eager,sdpa,contribution,default,layers3
 bench: setup
-	$(PY) benchmarks/bench_trace.py --out bench-out --threads 1
+	$(PY) benchmarks/bench_trace.py $(BENCH_512) --threads 1 --out bench-out
+	$(PY) benchmarks/bench_trace.py $(BENCH_512) --threads 2 --out bench-out
 
 # one thread per process: two single-thread processes are how this runs on two cores
 bench-faithfulness: setup
