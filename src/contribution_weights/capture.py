@@ -59,6 +59,12 @@ _ACTIVE: contextvars.ContextVar[CaptureSession | None] = contextvars.ContextVar(
 _registered = False
 
 
+def rows_per_block(rows_of_keys: int, num_keys: int, block_bytes: int) -> int:
+    """Queries per block: ``rows_of_keys`` (batch × heads) score rows of ``num_keys`` keys
+    each, counted at 8 bytes an element so that float64 measures stay within the bound."""
+    return max(1, block_bytes // max(1, rows_of_keys * num_keys * 8))
+
+
 class CaptureError(RuntimeError):
     """The model did not run its attention through the capture function."""
 
@@ -106,9 +112,7 @@ class LayerCall:
         return self.key.shape[2]
 
     def row_blocks(self) -> list[slice]:
-        # counted at 8 bytes an element, so that float64 measures stay within the bound too
-        per_row = self.batch * self.num_heads * self.k_len * 8
-        step = max(1, self.session.block_bytes // max(1, per_row))
+        step = rows_per_block(self.batch * self.num_heads, self.k_len, self.session.block_bytes)
         return [slice(s, min(self.q_len, s + step)) for s in range(0, self.q_len, step)]
 
     def _expanded(self, x: Tensor) -> Tensor:
@@ -126,15 +130,8 @@ class LayerCall:
         so work on them can be skipped. Read off the mask (the whole batch's union).
         """
         t = self.k_len
-        mask = self.attention_mask
-        if mask is None:
-            return slice(0, min(t, rows.stop + (t - self.q_len)))
-        first = mask[:, 0, rows.start, :t]
-        last = mask[:, 0, rows.stop - 1, :t]
-        if mask.dtype != torch.bool:
-            first = first > torch.finfo(mask.dtype).min / 2
-            last = last > torch.finfo(mask.dtype).min / 2
-        seen_first, seen_last = first.any(0), last.any(0)
+        seen_first = self.valid(slice(rows.start, rows.start + 1))[:, 0].any(0)
+        seen_last = self.valid(slice(rows.stop - 1, rows.stop))[:, 0].any(0)
         if not bool(seen_first.any()) or not bool(seen_last.any()):
             return slice(0, t)
         k0 = int(seen_first.int().argmax())
@@ -181,15 +178,9 @@ class LayerCall:
         """``(1, 1, I, K)`` additive causal mask of a block (0 where key ≤ query, else the
         dtype's minimum), what eager's mask holds there: the mask function gave None for
         a plain causal layer instead of a ``T × T`` tensor."""
-        device = self.query.device
-        q_pos = torch.arange(rows.start, rows.stop, device=device) + (self.k_len - self.q_len)
-        k_pos = torch.arange(keys.start, keys.stop, device=device)
-        block = torch.zeros(
-            rows.stop - rows.start, keys.stop - keys.start, dtype=dtype, device=device
-        )
-        return block.masked_fill_(k_pos[None, :] > q_pos[:, None], torch.finfo(dtype).min)[
-            None, None
-        ]
+        later = ~self.valid(rows, keys=keys)[:1]  # with no mask, valid() is the causal rule
+        block = torch.zeros(later.shape, dtype=dtype, device=later.device)
+        return block.masked_fill_(later, torch.finfo(dtype).min)[:, None]
 
     def _fused_scores(self, query: Tensor, keys: Tensor, mask: Tensor | None) -> Tensor | None:
         """``scaling · QKᵀ + mask`` in one ``baddbmm``, where that is exactly eager's

@@ -51,6 +51,7 @@ from .storage import (
     PackedMaps,
     TraceFileError,
     dtype_name,
+    is_causal,
     storage_dtype,
 )
 
@@ -469,15 +470,8 @@ class Trace:
                 out / "maps", self.maps.names, self.layers, self.num_heads, self.num_tokens, dtype
             )
             for pos in range(len(self.layers)):
-                causal = (
-                    bool(
-                        (
-                            self.vectors["key_stop"][pos] <= torch.arange(1, self.num_tokens + 1)
-                        ).all()
-                    )
-                    if "key_stop" in self.vectors
-                    else True
-                )
+                stop = self.vectors.get("key_stop")
+                causal = True if stop is None else is_causal(stop[pos])
                 store.start_layer(pos, causal)
                 for name in self.maps.names:
                     for q0, block in self.iter_blocks(name, pos):

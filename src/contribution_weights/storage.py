@@ -61,10 +61,10 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def causal_rows_mask(first_query: int, rows: int, num_keys: int, device: Any = None) -> Tensor:
-    """``(I, T)`` bool: key j ≤ query i for queries ``first_query …``: the packed entries."""
-    q = torch.arange(first_query, first_query + rows, device=device)
-    return torch.arange(num_keys, device=device)[None, :] <= q[:, None]
+def is_causal(key_stop: Tensor) -> bool:
+    """Whether queries ``0 … n−1`` attend to no key after themselves (``key_stop`` holds
+    one past the last key each may see): their rows fit the packed lower-triangle layout."""
+    return bool((key_stop <= torch.arange(1, key_stop.numel() + 1, device=key_stop.device)).all())
 
 
 def pack_rows(block: Tensor, first_query: int) -> Tensor:

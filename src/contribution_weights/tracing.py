@@ -29,13 +29,19 @@ from typing import Any, overload
 import torch
 from torch import Tensor
 
-from .capture import DEFAULT_BLOCK_BYTES, LayerCall, capturing, check_all_layers_seen
+from .capture import (
+    DEFAULT_BLOCK_BYTES,
+    LayerCall,
+    capturing,
+    check_all_layers_seen,
+    rows_per_block,
+)
 from .inputs import InputError, encode, resolve_layers, token_strings
 from .loading import LoadedModel
 from .measures.reductions import DEFAULT_TOP_K, ReductionAccumulator
 from .measures.registry import get_measure, resolve_measures, stored_measures
 from .results import Trace, prepare_folder, write_metadata
-from .storage import DenseMaps, MapStore, PackedMaps, dtype_name, storage_dtype
+from .storage import DenseMaps, MapStore, PackedMaps, dtype_name, is_causal, storage_dtype
 
 _COMPUTE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -138,7 +144,7 @@ class TraceRecorder:
         v["key_start"][pos, rows] = start + k0
         v["key_stop"][pos, rows] = stop + k0
         if isinstance(self.store, PackedMaps) and rows.start == 0:
-            causal = bool((v["key_stop"][pos, rows] <= torch.arange(1, rows.stop + 1)).all())
+            causal = is_causal(v["key_stop"][pos, rows])
             self.store.start_layer(pos, causal=causal and call.q_len == call.k_len)
         computed: dict[str, Tensor] = {}
         direct = isinstance(self.store, DenseMaps) and self.store.dtype == self.dtype
@@ -264,8 +270,7 @@ def plan_memory(
         weights = sum(get_measure(m).is_weight for m in measures)
         per = weights * (5 * csize + top_k * (csize + key)) + (len(measures) - weights) * 3 * csize
         red = num_layers * heads * t * per
-    per_row = heads * t * 8
-    rows = max(1, min(t, block_bytes // max(1, per_row)))
+    rows = min(t, rows_per_block(heads, t, block_bytes))
     block = rows * heads * t * csize
     temps = 6 + len(stored) + (len(measures) if reductions else 0)
     activations = t * (hidden * 8 + ffn * 4 + (heads + 2 * kv) * head_dim * 3) * 4
@@ -340,7 +345,7 @@ def _preflight(
     ):
         alt = plan(**change)
         disk_ok = disk_free is None or alt.maps_disk <= 0.95 * disk_free
-        if alt.memory <= budget and (disk_ok or not alt.maps_disk):
+        if alt.memory <= budget and disk_ok:
             disk = f", {_gb(alt.maps_disk)} on disk" if alt.maps_disk else ""
             options.append(f"{label}: about {_gb(alt.memory)} in memory{disk}")
     what = (
@@ -564,7 +569,7 @@ def _run(
 
     t = ids.numel()
     heads = model.num_heads
-    rows = max(1, block_bytes // max(1, heads * t * 8))
+    rows = rows_per_block(heads, t, block_bytes)
     recorder.blocks_per_layer = -(-t // rows)
     total = model.num_layers * recorder.blocks_per_layer
     show = progress is not False

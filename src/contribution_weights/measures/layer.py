@@ -182,14 +182,10 @@ class LayerTensors:
         return self.scaled_back @ self.head_values.transpose(-1, -2)
 
     @cached_property
-    def head_output_dot_values(self) -> Float[Tensor, "b h i t"]:
-        """``(B, H, I, T)``: ⟨o_i^(h), ṽ_j^(h)⟩ = ⟨Gram_h z_i^(h), v_j⟩."""
-        return (self.head_states @ self.gram) @ self.head_values.transpose(-1, -2)
-
-    @cached_property
     def head_output_dot_values_per_norm2(self) -> Float[Tensor, "b h i t"]:
-        """``(B, H, I, T)``: ⟨o_i^(h), ṽ_j^(h)⟩ / ‖o_i^(h)‖², the division folded into the
-        ``(I, d_h)`` factor as in :attr:`output_dot_values_per_norm2`."""
+        """``(B, H, I, T)``: ⟨o_i^(h), ṽ_j^(h)⟩ / ‖o_i^(h)‖² = ⟨Gram_h z_i^(h), v_j⟩ / ‖o_i^(h)‖²,
+        the division folded into the ``(I, d_h)`` factor as in
+        :attr:`output_dot_values_per_norm2`."""
         left = (self.head_states @ self.gram) * reciprocal(self.head_output_norm2)[..., None]
         return left @ self.head_values.transpose(-1, -2)
 

@@ -39,16 +39,6 @@ DEFAULT_TOP_K = 8
 FIELDS = ("token_sums", "first", "row_sum", "entropy", "entropy_excl_first")
 
 
-def row_entropy(a: Float[Tensor, "*lead t"]) -> Float[Tensor, "*lead"]:
-    """Entropy of each row of ``a >= 0`` normalised to sum 1 (0 for an all-zero row)."""
-    total = a.sum(-1)
-    a_log_a = torch.xlogy(a, a).sum(-1)
-    ok = total > 0
-    safe_total = torch.where(ok, total, torch.ones_like(total))
-    row = torch.where(ok, torch.log(safe_total) - a_log_a / safe_total, torch.zeros_like(total))
-    return row.clamp_min(0)
-
-
 @dataclass
 class MeasureReductions:
     """The reductions of one measure over the traced layers (see module docstring)."""
