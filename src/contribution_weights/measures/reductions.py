@@ -26,6 +26,7 @@ float rounding.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -197,6 +198,24 @@ class ReductionAccumulator:
         r.top_keys[pos, :, rows, :k] = torch.where(beyond, -1, keys).to(r.top_keys.dtype)
         r.top_values[pos, :, rows, :k] = torch.where(beyond, 0, values)
 
+    @staticmethod
+    def _follow(
+        r: MeasureReductions,
+        b: MeasureReductions,
+        pos: int,
+        rows: slice,
+        values_of: Callable[[Tensor], Tensor],
+    ) -> None:
+        """Rows ``rows`` of ``r``'s entropies and top keys are ``b``'s (a row scaling and
+        ``|·|`` leave them unchanged); its top values are ``values_of(b's)``."""
+        r.entropy[pos, :, rows] = b.entropy[pos, :, rows]
+        r.entropy_excl_first[pos, :, rows] = b.entropy_excl_first[pos, :, rows]
+        if r.top_values is not None and r.top_keys is not None and b.top_values is not None:
+            assert b.top_keys is not None
+            if r.top_keys is not b.top_keys:
+                r.top_keys[pos, :, rows] = b.top_keys[pos, :, rows]
+            r.top_values[pos, :, rows] = values_of(b.top_values[pos, :, rows])
+
     def add_row_scaled(
         self,
         name: str,
@@ -217,13 +236,7 @@ class ReductionAccumulator:
         r.token_sums[pos, :, keys] += torch.einsum("hik,i->hk", base_block.to(s.dtype), s)
         for field in ("first", "row_sum"):
             getattr(r, field)[pos, :, rows] = getattr(b, field)[pos, :, rows] * s
-        r.entropy[pos, :, rows] = b.entropy[pos, :, rows]
-        r.entropy_excl_first[pos, :, rows] = b.entropy_excl_first[pos, :, rows]
-        if r.top_values is not None and r.top_keys is not None and b.top_values is not None:
-            assert b.top_keys is not None
-            if r.top_keys is not b.top_keys:
-                r.top_keys[pos, :, rows] = b.top_keys[pos, :, rows]
-            r.top_values[pos, :, rows] = b.top_values[pos, :, rows] * s[:, None]
+        self._follow(r, b, pos, rows, lambda values: values * s[:, None])
 
     def add_abs_of(
         self,
@@ -242,13 +255,7 @@ class ReductionAccumulator:
         r.token_sums[pos, :, keys] += abs_block.sum(-2)
         r.first[pos, :, rows] = b.first[pos, :, rows].abs()
         r.row_sum[pos, :, rows] = abs_block.sum(-1)
-        r.entropy[pos, :, rows] = b.entropy[pos, :, rows]
-        r.entropy_excl_first[pos, :, rows] = b.entropy_excl_first[pos, :, rows]
-        if r.top_values is not None and r.top_keys is not None and b.top_values is not None:
-            assert b.top_keys is not None
-            if r.top_keys is not b.top_keys:
-                r.top_keys[pos, :, rows] = b.top_keys[pos, :, rows]
-            r.top_values[pos, :, rows] = b.top_values[pos, :, rows].abs()
+        self._follow(r, b, pos, rows, torch.abs)
 
     def add_rank_one(
         self,
