@@ -42,6 +42,24 @@ def test_clean_option_scores_are_summed_option_logprobs():
         assert int(pick(got[None])[0]) == int(want.argmax())
 
 
+def test_one_token_options_read_from_one_row_equal_a_row_per_option():
+    """MMLU/BoolQ options are one token each: one row per configuration on the prompt
+    alone scores them all, as the row-per-option layout does, under removals too."""
+    from contribution_weights.interventions import token_logprobs
+
+    lm = tiny_model("qwen2")
+    prompt = list(range(3, 17))
+    options = [[20], [21], [22], [23]]
+    removals = [CLEAN, Removal("vw_on", "sufficiency", 0.5), Removal("attention", "sufficiency", 0.3)]
+    got = option_scores(lm, prompt, options, removals)
+    rows = [(r, o) for r in removals for o in options]
+    ids = torch.tensor([[*prompt, *o] for _, o in rows])
+    logp = token_logprobs(lm, ids, [r for r, _ in rows], eligible_len=len(prompt))
+    want = logp[:, len(prompt) - 1].double().reshape(len(removals), len(options))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(got[0], got[1])  # the removal changed the scores
+
+
 def test_pick_hand_made_scores():
     scores = torch.tensor([[-3.0, -1.0, -2.0], [-0.5, -0.7, -9.0], [-1.0, -1.0, -4.0]])
     assert pick(scores).tolist() == [1, 0, 0]  # ties go to the first option

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 
+import pandas as pd
 import pytest
 import torch
 import transformers as tf
@@ -561,3 +562,30 @@ def test_column_sum_token_scores_equal_the_full_measure_tensors(model_type, monk
                                    equal_nan=True)  # fmt: skip
         assert torch.equal(fast[layer].removed, rec.removed)
     torch.testing.assert_close(fast_logits, slow_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_cli_min_tokens_keeps_long_texts_and_join_reaches_the_length(
+    tmp_path, monkeypatch, capsys
+):
+    from contribution_weights.cli import main
+
+    lm = tiny_model("llama")  # one token per character
+    monkeypatch.setattr("contribution_weights.loading.load_model", lambda *a, **k: lm)
+    f = tmp_path / "t.txt"
+    f.write_text("short one\n\n" + "a long enough text " * 3 + "\n\nsmall\n\ntiny\n")
+    args = ["faithfulness", "--file", str(f), "--measures", "attention", "--rates", "0.5",
+            "--modes", "sufficiency", "--max-tokens", "20"]  # fmt: skip
+    assert main([*args, "--min-tokens", "20", "--out", str(tmp_path / "a")]) == 0
+    per = pd.read_csv(tmp_path / "a" / "per_sequence.csv")
+    assert set(per.n_tokens) == {20} and per.seq.nunique() == 1
+    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert config["n_texts"] == 1 and "texts of ≥20 tokens" in config["source"]
+    # joined: "short one" + the long text reach 20; "small" + "tiny" do not (dropped)
+    assert main([*args, "--min-tokens", "20", "--join", "--out", str(tmp_path / "b")]) == 0
+    per = pd.read_csv(tmp_path / "b" / "per_sequence.csv")
+    assert set(per.n_tokens) == {20} and per.seq.nunique() == 1
+    capsys.readouterr()
+    assert main([*args, "--join", "--out", str(tmp_path / "c")]) == 2
+    assert "--join needs --min-tokens" in capsys.readouterr().err
+    assert main([*args, "--min-tokens", "500", "--out", str(tmp_path / "d")]) == 2
+    assert "lower --min-tokens" in capsys.readouterr().err

@@ -322,3 +322,18 @@ def test_peek_dims_of_the_embedded_model(smollm2):
     # once loaded (dequantised and cached), its size is known from the config alone
     assert peek_dims(None) == peek_dims("smollm2") == ModelDims(30, 9)
     assert (smollm2.num_layers, smollm2.num_heads) == (30, 9)
+
+
+def test_texts_of_length_skips_short_texts_or_joins_consecutive_ones():
+    from contribution_weights.inputs import texts_of_length
+
+    lm = tiny_model("llama")  # one token per character
+    texts = ["aaaa", "bb", "  ", "cccccc", "d", "ee"]
+    assert texts_of_length(lm, texts, 4) == ["aaaa", "cccccc"]
+    assert texts_of_length(lm, texts, 4, n=1) == ["aaaa"]
+    # joined with a blank line: "aaaa" alone reaches 4; "bb\n\ncccccc" reaches it next;
+    # "d\n\nee" (5 characters) too; nothing is left over
+    assert texts_of_length(lm, texts, 4, join=True) == ["aaaa", "bb\n\ncccccc", "d\n\nee"]
+    assert texts_of_length(lm, texts, 9, join=True) == ["aaaa\n\nbb\n\ncccccc"]  # "d\n\nee" dropped
+    with pytest.raises(InputError, match="min_tokens"):
+        texts_of_length(lm, texts, 0)

@@ -95,6 +95,51 @@ def encode(
     return ids
 
 
+def texts_of_length(
+    model: LoadedModel,
+    texts: Sequence[str],
+    min_tokens: int,
+    *,
+    join: bool = False,
+    n: int | None = None,
+    separator: str = "\n\n",
+) -> list[str]:
+    """The first ``n`` texts that have at least ``min_tokens`` tokens (with the tokenizer's
+    special tokens, as :func:`encode` counts them).
+
+    ``join=False`` skips shorter texts. ``join=True`` joins consecutive texts (``separator``
+    between them) until each joined text reaches ``min_tokens`` tokens, for corpora of
+    short items (GSM8K); a last group that stays short is dropped. Experiments then cut
+    each text to its first ``max_tokens`` tokens, so with ``min_tokens == max_tokens``
+    every sequence has exactly that length.
+    """
+    if min_tokens < 1:
+        raise InputError(f"min_tokens must be at least 1, not {min_tokens}")
+    if n is not None and n < 1:
+        raise InputError(f"n must be a positive number of texts, not {n}")
+
+    def count(text: str) -> int:
+        return len(model.tokenizer(text, add_special_tokens=True)["input_ids"])
+
+    out: list[str] = []
+    group: list[str] = []
+    for text in texts:
+        if n is not None and len(out) == n:
+            break
+        if not text.strip():
+            continue
+        if not join:
+            if count(text) >= min_tokens:
+                out.append(text)
+            continue
+        group.append(text.strip())
+        joined = separator.join(group)
+        if count(joined) >= min_tokens:
+            out.append(joined)
+            group = []
+    return out
+
+
 def _as_ids(value: Sequence[int] | Tensor) -> Tensor:
     try:
         ids = torch.as_tensor(value)

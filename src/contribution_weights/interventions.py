@@ -408,7 +408,10 @@ InterventionFor = Callable[[slice], AbstractContextManager[Intervention | None]]
 
 
 def _forward(
-    model: LoadedModel, ids: Tensor, intervention: AbstractContextManager[Intervention | None]
+    model: LoadedModel,
+    ids: Tensor,
+    intervention: AbstractContextManager[Intervention | None],
+    last: bool = False,
 ) -> Tensor:
     ids = ids.to(model.device)
     with (
@@ -416,8 +419,11 @@ def _forward(
         intervention as scale,
         capturing(model.model, intervention=scale) as session,
     ):
-        logits = model.model(input_ids=ids, use_cache=False).logits
+        keep = {"logits_to_keep": 1} if last else {}
+        logits = model.model(input_ids=ids, use_cache=False, **keep).logits
         check_all_layers_seen(session, model.num_layers)
+    if last:  # the whole next-token distribution after the last position
+        return torch.log_softmax(logits[:, -1].float(), dim=-1).cpu()
     out = torch.empty(ids.shape[0], ids.shape[1] - 1, dtype=torch.float32)
     for b in range(ids.shape[0]):  # one row at a time keeps the log-softmax small
         logp = torch.log_softmax(logits[b, :-1].float(), dim=-1)
@@ -436,10 +442,13 @@ def token_logprobs(
     sink_cosine: float = SINK_COSINE,
     batch_size: int | None = None,
     memory_bytes: int = DEFAULT_MEMORY_BYTES,
+    last: bool = False,
 ) -> Tensor:
     """``(R, T-1)``: log p(token t+1 | ≤ t) of each row of ``input_ids`` ``(R, T)``.
 
-    Row r runs under ``removals[r]``.
+    Row r runs under ``removals[r]``. ``last=True`` gives instead ``(R, V)``: the log
+    next-token distribution after each row's last token (the output head runs on that
+    position only), which scores every one-token continuation at once.
 
     ``batch_size`` rows run per forward (default: as many as fit ``memory_bytes``);
     results do not depend on it beyond float rounding.
@@ -462,7 +471,7 @@ def token_logprobs(
             )
 
     return intervened_logprobs(
-        model, input_ids, removal_for, batch_size=batch_size, memory_bytes=memory_bytes
+        model, input_ids, removal_for, batch_size=batch_size, memory_bytes=memory_bytes, last=last
     )
 
 
@@ -478,17 +487,19 @@ def intervened_logprobs(
     *,
     batch_size: int | None = None,
     memory_bytes: int = DEFAULT_MEMORY_BYTES,
+    last: bool = False,
 ) -> Tensor:
     """``(R, T-1)``: log p(token t+1 | ≤ t) of each row of ``input_ids`` ``(R, T)``, rows
     ``start:stop`` running under the intervention ``intervention_for(slice(start, stop))``
     gives (e.g. ``lambda rows: contextlib.nullcontext(MyScale(gammas[rows]))``).
 
     Chunked as :func:`token_logprobs`: ``batch_size`` rows per forward (default: as many
-    as fit ``memory_bytes``), halved on out-of-memory.
+    as fit ``memory_bytes``), halved on out-of-memory. ``last=True``: ``(R, V)``, the log
+    next-token distribution after the last position (see :func:`token_logprobs`).
     """
     if input_ids.ndim != 2:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} must be (rows, tokens)")
-    if input_ids.shape[1] < 2:
+    if input_ids.shape[1] < (1 if last else 2):
         raise ValueError("a sequence needs at least 2 tokens to be scored")
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch_size must be at least 1 (or None for automatic), got {batch_size}")
@@ -498,13 +509,13 @@ def intervened_logprobs(
         if batch_size is not None
         else auto_batch_size(model, input_ids.shape[1], memory_bytes)
     )
-    out = torch.empty(rows, input_ids.shape[1] - 1)
+    parts: list[Tensor] = []
     start = 0
     while start < rows:
         stop = min(rows, start + size)
         try:
-            out[start:stop] = _forward(
-                model, input_ids[start:stop], intervention_for(slice(start, stop))
+            parts.append(
+                _forward(model, input_ids[start:stop], intervention_for(slice(start, stop)), last)
             )
         except (RuntimeError, torch.OutOfMemoryError) as err:
             if not _is_oom(err) or size == 1:
@@ -514,7 +525,7 @@ def intervened_logprobs(
                 torch.cuda.empty_cache()
             continue
         start = stop
-    return out
+    return torch.cat(parts)
 
 
 __all__ = [

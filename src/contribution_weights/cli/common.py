@@ -79,19 +79,61 @@ def add_corpus_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--field", default="text", help="JSONL field holding the text (default text)")
     p.add_argument("--n", type=positive_int, default=None, help="use the first N texts")
     p.add_argument("--data-dir", type=Path, default=None, help="data folder (else $CW_DATA_DIR)")
+    p.add_argument(
+        "--min-tokens",
+        type=positive_int,
+        default=None,
+        help="skip texts of fewer tokens (with --join: join consecutive texts up to this "
+        "length); --n then counts the texts kept",
+    )
+    p.add_argument(
+        "--join",
+        action="store_true",
+        help="join consecutive texts, a blank line between, until each has --min-tokens tokens "
+        "(for short items such as GSM8K's)",
+    )
 
 
 def load_corpus(args: argparse.Namespace) -> tuple[list[str], str]:
-    """The texts named by :func:`add_corpus_arguments`, and their source (for titles)."""
+    """The texts named by :func:`add_corpus_arguments`, and their source (for titles).
+
+    With ``--min-tokens`` every text is read and ``--n`` waits for :func:`fit_corpus`,
+    which needs the model's tokenizer.
+    """
     from .. import data
 
     if args.n is not None and args.n < 1:
         raise ValueError(f"--n must be at least 1, not {args.n}")
+    if getattr(args, "join", False) and getattr(args, "min_tokens", None) is None:
+        raise ValueError("--join needs --min-tokens N: the length each joined text must reach")
+    n = None if getattr(args, "min_tokens", None) is not None else args.n
     if args.dataset:
-        return data.load_texts(args.dataset, args.n, args.data_dir), str(args.dataset)
+        return data.load_texts(args.dataset, n, args.data_dir), str(args.dataset)
     path = args.texts or args.file
     texts = data.read_texts(path, field=args.field)
-    return (texts if args.n is None else texts[: args.n]), str(path)
+    return (texts if n is None else texts[:n]), str(path)
+
+
+def fit_corpus(
+    args: argparse.Namespace, model: object, texts: list[str], source: str
+) -> tuple[list[str], str]:
+    """``--min-tokens``/``--join`` applied to the texts of :func:`load_corpus` (then ``--n``),
+    and the source named with what was done (it goes into the run's title and config)."""
+    from ..inputs import texts_of_length
+
+    min_tokens = getattr(args, "min_tokens", None)
+    if min_tokens is None:
+        return texts, source
+    kept = texts_of_length(model, texts, min_tokens, join=args.join, n=args.n)  # type: ignore[arg-type]
+    if not kept:
+        raise ValueError(
+            f"no text of {source} has {min_tokens} tokens; lower --min-tokens"
+            + ("" if args.join else " or pass --join to join consecutive texts")
+        )
+    if args.n is not None and len(kept) < args.n:
+        print(f"only {len(kept)} texts of {source} reach {min_tokens} tokens (asked for {args.n})")
+    how = "consecutive texts joined to" if args.join else "texts of"
+    return kept, f"{source} ({how} ≥{min_tokens} tokens)"
 
 
 def parse_floats(value: str) -> list[float]:

@@ -10,6 +10,7 @@ from .common import (
     add_corpus_arguments,
     add_model_arguments,
     check_out_dir,
+    fit_corpus,
     load_corpus,
     model_device,
 )
@@ -44,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
     options = options_from_args(GeometryOptions, args)  # bad options fail before loading
     texts, source = load_corpus(args)
     model = load_model(args.model, dtype=args.dtype, device=model_device(args))
+    texts, source = fit_corpus(args, model, texts, source)
     result = run_geometry(
         model, texts, args.out, analyses, options, resume=args.resume, source=source
     )

@@ -58,8 +58,27 @@ def option_scores(
     batch_size: int | None = None,
     memory_bytes: int = DEFAULT_MEMORY_BYTES,
 ) -> torch.Tensor:
-    """``(len(removals), len(options))`` summed log-probability of each option's tokens."""
+    """``(len(removals), len(options))`` summed log-probability of each option's tokens.
+
+    When every option is one token (MMLU's letters, BoolQ's yes/no) each configuration
+    runs once on the prompt alone and reads all options from its next-token
+    distribution; otherwise each (configuration, option) pair is a row.
+    """
     p = len(prompt)
+    if all(len(o) == 1 for o in options):
+        ids = torch.tensor([list(prompt)], dtype=torch.long).expand(len(removals), -1)
+        logp = token_logprobs(
+            model,
+            ids,
+            list(removals),
+            eligible_len=p,
+            protect_sinks=protect_sinks,
+            sink_cosine=sink_cosine,
+            batch_size=batch_size,
+            memory_bytes=memory_bytes,
+            last=True,
+        )
+        return logp[:, [o[0] for o in options]].double()
     width = p + max(len(o) for o in options)
     rows = len(removals) * len(options)
     pad = int(prompt[0])
@@ -142,6 +161,8 @@ def per_item_frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
     for col in ("item", "answer", "pick", "correct", "clean_pick", "clean_correct",
                 "n_prompt_tokens"):  # fmt: skip
         frame[col] = frame[col].astype(int)
+    if "n_options" in frame:  # runs before it was recorded lack it
+        frame["n_options"] = frame["n_options"].astype(int)
     frame["rate"] = frame["rate"].astype(float)
     return frame.sort_values(["item"], kind="stable").reset_index(drop=True)
 
@@ -249,6 +270,7 @@ class Downstream(Experiment[DownstreamResult]):
                 "clean_pick": picks[0],
                 "clean_correct": clean_ok,
                 "n_prompt_tokens": len(prompt),
+                "n_options": len(options),
             }
             for r, pk in zip(self.removals, picks[1:], strict=True)
         ]
