@@ -50,7 +50,11 @@ def test_one_token_options_read_from_one_row_equal_a_row_per_option():
     lm = tiny_model("qwen2")
     prompt = list(range(3, 17))
     options = [[20], [21], [22], [23]]
-    removals = [CLEAN, Removal("vw_on", "sufficiency", 0.5), Removal("attention", "sufficiency", 0.3)]
+    removals = [
+        CLEAN,
+        Removal("vw_on", "sufficiency", 0.5),
+        Removal("attention", "sufficiency", 0.3),
+    ]
     got = option_scores(lm, prompt, options, removals)
     rows = [(r, o) for r in removals for o in options]
     ids = torch.tensor([[*prompt, *o] for _, o in rows])

@@ -564,9 +564,7 @@ def test_column_sum_token_scores_equal_the_full_measure_tensors(model_type, monk
     torch.testing.assert_close(fast_logits, slow_logits, rtol=1e-5, atol=1e-5)
 
 
-def test_cli_min_tokens_keeps_long_texts_and_join_reaches_the_length(
-    tmp_path, monkeypatch, capsys
-):
+def test_cli_min_tokens_keeps_long_texts_and_join_reaches_the_length(tmp_path, monkeypatch, capsys):
     from contribution_weights.cli import main
 
     lm = tiny_model("llama")  # one token per character
