@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from tiny_models import tiny_model
@@ -191,3 +193,41 @@ def test_fingerprint_is_the_old_text_digest_and_sees_every_part():
         assert fingerprint(texts, algorithm=algorithm) == old.hexdigest()[:16]
     base = fingerprint([["p", ["x", "y"], 0]])
     assert base != fingerprint([["p", ["x", "y"], 1]]) != fingerprint([["p", ["y", "x"], 0]])
+
+
+def test_wilson_interval_and_exact_binomial_test_known_values():
+    from contribution_weights.experiments.downstream import binomial_test, wilson_interval
+
+    lo, hi = wilson_interval(5, 10)
+    assert lo == pytest.approx(0.236593, abs=1e-6) and hi == pytest.approx(0.763407, abs=1e-6)
+    assert wilson_interval(0, 10) == pytest.approx((0.0, 0.277532), abs=1e-6)
+    assert binomial_test(3, 10, 0.5) == pytest.approx(0.34375)
+    assert binomial_test(0, 10, 0.5) == pytest.approx(2 / 1024)
+    assert binomial_test(5, 10, 0.5) == pytest.approx(1.0)
+    assert binomial_test(0, 0, 0.5) == 1.0
+    # asymmetric null: P(X <= 1) + the upper outcomes no more likely, X ~ Bin(8, 0.25)
+    pmf = [math.comb(8, i) * 0.25**i * 0.75 ** (8 - i) for i in range(9)]
+    assert binomial_test(5, 8, 0.25) == pytest.approx(sum(v for v in pmf if v <= pmf[5]))
+
+
+def test_summary_intervals_mcnemar_and_chance_from_per_item_rows():
+    from contribution_weights.experiments.downstream import per_item_frame, summarise
+
+    rows = []
+    for item in range(20):
+        clean_ok = int(item < 12)
+        ok = int(item < 4 or item >= 18)  # 8 lost (4..11), 2 gained (18, 19)
+        rows.append({"item": item, "measure": "vw", "rate": 0.5, "answer": 0, "pick": 1 - ok,
+                     "correct": ok, "clean_pick": 1 - clean_ok, "clean_correct": clean_ok,
+                     "n_prompt_tokens": 5, "n_options": 4 if item % 2 else 2})  # fmt: skip
+    s = summarise(per_item_frame(rows), "toy").iloc[0]
+    assert s.accuracy == pytest.approx(6 / 20) and s.clean_accuracy == pytest.approx(12 / 20)
+    assert s.chance == pytest.approx((0.5 + 0.25) / 2)
+    assert s.p_vs_clean == pytest.approx(binomial_test_ref(2, 10))
+    assert s.accuracy_lo < s.accuracy < s.accuracy_hi and s.clean_lo < s.clean_accuracy < s.clean_hi
+
+
+def binomial_test_ref(k, n):
+    """Two-sided exact test against 1/2, by hand: twice the smaller tail."""
+    tail = sum(math.comb(n, i) for i in range(min(k, n - k) + 1)) / 2**n
+    return min(1.0, 2 * tail)

@@ -12,6 +12,7 @@ every scored token, so causal attention never sees it).
 from __future__ import annotations
 
 import itertools
+import math
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -33,7 +34,40 @@ from .runner import Experiment, Phase, SkipUnit, run_experiment
 
 PER_ITEM = "per_item.csv"
 SUMMARY = "summary.csv"
-SUMMARY_COLUMNS = ["task", "measure", "rate", "n", "accuracy", "clean_accuracy"]
+SUMMARY_COLUMNS = [
+    "task", "measure", "rate", "n", "accuracy", "clean_accuracy",
+    "accuracy_lo", "accuracy_hi", "clean_lo", "clean_hi", "chance", "p_vs_clean", "p_vs_chance",
+]  # fmt: skip
+#: two-sided 95% normal quantile of the Wilson intervals
+Z95 = 1.959963984540054
+
+
+def wilson_interval(k: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion ``k/n`` (95% by default)."""
+    if n < 1:
+        return math.nan, math.nan
+    p, z2 = k / n, z * z
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = z / (1 + z2 / n) * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def binomial_test(k: int, n: int, p: float) -> float:
+    """Exact two-sided binomial test of ``k`` successes in ``n`` trials against rate ``p``:
+    the probability of an outcome no more likely than ``k`` (1 when ``n`` is 0)."""
+    if n == 0:
+        return 1.0
+    if p <= 0 or p >= 1:
+        return float(k == round(p * n))
+
+    def log_pmf(i: int) -> float:
+        return (
+            math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1)
+            + i * math.log(p) + (n - i) * math.log1p(-p)
+        )  # fmt: skip
+
+    observed = log_pmf(k) + 1e-7  # outcomes equally likely up to rounding count as extreme
+    return min(1.0, sum(math.exp(v) for i in range(n + 1) if (v := log_pmf(i)) <= observed))
 
 
 def encode_item(model: LoadedModel, item: ChoiceItem) -> tuple[list[int], list[list[int]]]:
@@ -111,13 +145,30 @@ def pick(scores: torch.Tensor) -> torch.Tensor:
 
 
 def summarise(per_item: pd.DataFrame, task: str) -> pd.DataFrame:
+    """Accuracy per (measure, rate) with its 95% Wilson interval, the clean accuracy with
+    its interval, chance (the mean of 1/options over items), the exact McNemar p-value
+    of the paired difference from clean (items flipped each way) and the exact binomial
+    p-value against chance."""
     if per_item.empty:
         return pd.DataFrame(columns=SUMMARY_COLUMNS)
+    items = per_item.drop_duplicates("item")
+    n_clean, k_clean = len(items), int(items["clean_correct"].sum())
+    clean = k_clean / n_clean
+    if "n_options" in items:
+        chance = float((1.0 / items["n_options"].astype(float)).mean())
+    else:
+        chance = math.nan  # runs from before the option count was recorded
     rows = []
-    clean = per_item.drop_duplicates("item")["clean_correct"].astype(float).mean()
     for (measure, rate), g in per_item.groupby(["measure", "rate"], sort=False):
-        acc = g["correct"].astype(float).mean()
-        rows.append([task, measure, float(rate), len(g), acc, clean])
+        n, k = len(g), int(g["correct"].sum())
+        lost = int(((g["clean_correct"] == 1) & (g["correct"] == 0)).sum())
+        gained = int(((g["clean_correct"] == 0) & (g["correct"] == 1)).sum())
+        p_chance = math.nan if math.isnan(chance) else binomial_test(k, n, chance)
+        rows.append([
+            task, measure, float(rate), n, k / n, clean,
+            *wilson_interval(k, n), *wilson_interval(k_clean, n_clean), chance,
+            binomial_test(lost, lost + gained, 0.5), p_chance,
+        ])  # fmt: skip
     return pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
 
 

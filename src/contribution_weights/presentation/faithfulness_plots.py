@@ -62,7 +62,7 @@ def _by_measure(
     for i, name in enumerate(names):
         color, marker = _style(name, i)
         y = float(part[value].iloc[i])
-        err = None if se is None else [[se[i]], [se[i]]]
+        err = None if se is None else (se[:, i : i + 1] if se.ndim == 2 else [[se[i]], [se[i]]])
         ax.errorbar([i], [y], yerr=err, fmt=marker, color=color, capsize=4, ms=7, label=name)
     ax.set_xticks(range(len(names)), names)
     ax.set_xlim(-0.6, len(names) - 0.4)
@@ -120,6 +120,17 @@ def plot_faithfulness(
     return fig
 
 
+def _accuracy_error(part: pd.DataFrame) -> np.ndarray:
+    """``(2, n)`` distances below and above each accuracy: its Wilson interval when the
+    summary has one, else ±1 binomial standard error."""
+    acc = part["accuracy"].to_numpy(float)
+    if "accuracy_lo" in part:
+        lo, hi = part["accuracy_lo"].to_numpy(float), part["accuracy_hi"].to_numpy(float)
+        return np.stack([acc - lo, hi - acc])
+    se = binomial_se(acc, part["n"].to_numpy(float))
+    return np.stack([se, se])
+
+
 def binomial_se(accuracy: np.ndarray, n: np.ndarray) -> np.ndarray:
     """Standard error of an accuracy over ``n`` items, √(a(1−a)/n)."""
     a = np.asarray(accuracy, dtype=float)
@@ -129,17 +140,18 @@ def binomial_se(accuracy: np.ndarray, n: np.ndarray) -> np.ndarray:
 def plot_downstream(
     summary: pd.DataFrame, path: str | Path | None = None, title: str | None = None
 ) -> Any:
-    """Accuracy against sufficiency removal rate: a panel per task, clean accuracy dashed,
-    error bars ±1 binomial standard error √(a(1−a)/n). With a single rate each panel shows
-    one point per measure."""
+    """Accuracy against sufficiency removal rate: a panel per task, clean accuracy dashed
+    (its 95% interval shaded), chance dotted, error bars the 95% Wilson interval (summaries
+    without one: ±1 binomial standard error √(a(1−a)/n)). With a single rate each panel
+    shows one point per measure."""
     tasks = list(dict.fromkeys(summary["task"]))
     single = summary["rate"].nunique() == 1
+    wilson = "accuracy_lo" in summary
     fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 3.8), squeeze=False)
     for ax, task in zip(axes[0], tasks, strict=True):
         part = summary[summary["task"] == task]
         if single:
-            se = binomial_se(part["accuracy"].to_numpy(float), part["n"].to_numpy(float))
-            _by_measure(ax, part, "accuracy", se, float(part["rate"].iloc[0]))
+            _by_measure(ax, part, "accuracy", _accuracy_error(part), float(part["rate"].iloc[0]))
         else:
             groups = list(part.groupby("measure", sort=False))
             for i, (measure, g) in enumerate(groups):
@@ -150,7 +162,7 @@ def plot_downstream(
                 ax.errorbar(
                     g["rate"].to_numpy(float) + shift,
                     acc,
-                    yerr=binomial_se(acc, g["n"].to_numpy(float)),
+                    yerr=_accuracy_error(g),
                     marker=marker,
                     color=color,
                     capsize=3,
@@ -159,9 +171,15 @@ def plot_downstream(
             _rate_axis(ax, part["rate"].to_numpy(float))
         clean = float(part["clean_accuracy"].iloc[0])
         ax.axhline(clean, color="black", linestyle="--", linewidth=1, label="clean")
+        if wilson:
+            lo, hi = float(part["clean_lo"].iloc[0]), float(part["clean_hi"].iloc[0])
+            ax.axhspan(lo, hi, color="black", alpha=0.08, linewidth=0)
+        chance = float(part["chance"].iloc[0]) if "chance" in part else float("nan")
+        if np.isfinite(chance):
+            ax.axhline(chance, color="grey", linestyle=":", linewidth=1, label="chance")
         n = int(part["n"].iloc[0])
         ax.set_title(f"{task} (n={n}, sufficiency)", fontsize=10)
-        ax.set_ylabel("accuracy (± 1 s.e.)")
+        ax.set_ylabel("accuracy (95% CI)" if wilson else "accuracy (± 1 s.e.)")
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
