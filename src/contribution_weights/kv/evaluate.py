@@ -44,9 +44,12 @@ QUESTION = "\nWhat is the pass key? The pass key is"
 
 def continuation_nll(logits: Tensor, targets: Tensor) -> float:
     """Mean NLL of ``targets`` ``(B, n)`` under ``logits`` ``(B, n, V)`` (aligned: logit i
-    predicts target i)."""
-    logp = torch.log_softmax(logits.detach().double(), dim=-1)
-    return float(-logp.gather(-1, targets.to(logp.device)[..., None]).mean())
+    predicts target i). The log-softmax runs in the logits' own precision (a float64 copy
+    of a 262k-entry vocabulary per position cost a third of a Gemma 3 item); the mean is
+    taken in float64."""
+    logp = torch.log_softmax(logits.detach(), dim=-1)
+    picked = logp.gather(-1, targets.to(logp.device)[..., None])
+    return float(-picked.double().mean())
 
 
 # ---- language modelling ------------------------------------------------------------------

@@ -110,7 +110,7 @@ class Prefill:
 
     ids: Tensor  # (B, T)
     cache: Any  # transformers Cache
-    logits: Tensor  # (B, T, V)
+    logits: Tensor  # (B, 1, V): the next-token logits after the prefill
     stats: dict[int, LayerStats]
     window: int
 
@@ -142,7 +142,7 @@ def prefill(
     observer = StatsObserver(layers, window)
     ids = ids.to(net.device)
     with torch.no_grad(), capturing(net, observers=[observer]) as session:
-        out = net(input_ids=ids, use_cache=True)
+        out = net(input_ids=ids, use_cache=True, logits_to_keep=1)  # only the next token's
     check_all_layers_seen(session, model.num_layers)
     cache = out.cache if hasattr(out, "cache") else out.past_key_values
     kept = set(compressible_layers(cache))
