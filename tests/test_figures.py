@@ -161,3 +161,21 @@ def test_downstream_error_bars_and_one_rate():
     one = plot_downstream(summary[summary.rate == 0.5])
     assert [x.get_text() for x in one.axes[0].get_xticklabels()] == ["attention", "ihc"]
     assert binomial_se(np.array([0.5]), np.array([100]))[0] == pytest.approx(0.05)
+
+
+def test_runs_share_axes_a_line_style_per_run_and_refuse_too_many():
+    from contribution_weights.presentation.faithfulness_plots import plot_faithfulness_runs
+
+    layer, other = _summary([0.1, 0.3, 0.5]), _summary([0.1, 0.3, 0.5])
+    other["delta_ppl_mean"] *= 3
+    fig = plot_faithfulness_runs({"layer scope": layer, "global scope": other})
+    ax = fig.axes[0]
+    bars = _error_bars(ax)
+    assert len(bars) == 2 * 2  # measures × runs
+    styles = {b.lines[0].get_linestyle() for b in bars}
+    assert styles == {"-", "--"}
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ["attention", "ihc", "layer scope", "global scope"]
+    fig.savefig(ARTIFACTS / "faithfulness-runs.png")
+    with pytest.raises(ValueError, match="at most"):
+        plot_faithfulness_runs({str(k): layer for k in range(5)})

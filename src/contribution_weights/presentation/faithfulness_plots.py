@@ -5,6 +5,7 @@ Inputs are the summary DataFrames the experiments write (``summary.csv``), never
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +112,71 @@ def plot_faithfulness(
         ax.grid(alpha=0.3)
         if not single:  # one rate: the measures are already the x axis
             ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+    return fig
+
+
+RUN_STYLES = ("-", "--", ":", "-.")
+
+
+def plot_faithfulness_runs(
+    runs: Mapping[str, pd.DataFrame],
+    path: str | Path | None = None,
+    title: str | None = None,
+    value: str = "delta_ppl",
+) -> Any:
+    """Several faithfulness runs on shared axes (e.g. layer scope against global scope, or
+    sinks protected against not): a panel per mode, a colour per measure, a line style per
+    run (``runs`` maps a label to a run's summary), error bars ±1 s.e. ``value`` is
+    ``"delta_ppl"`` or ``"delta_nll"``; a log axis where the values span decades."""
+    if not runs:
+        raise ValueError("no runs to plot; pass {label: summary DataFrame}")
+    if len(runs) > len(RUN_STYLES):
+        raise ValueError(f"at most {len(RUN_STYLES)} runs fit one figure, got {len(runs)}")
+    frames = list(runs.values())
+    modes = list(dict.fromkeys(m for f in frames for m in f["mode"]))
+    measures = list(dict.fromkeys(m for f in frames for m in f["measure"]))
+    fig, axes = plt.subplots(1, len(modes), figsize=(5.5 * len(modes), 4.2), squeeze=False)
+    for ax, mode in zip(axes[0], modes, strict=True):
+        shown = []
+        for k, frame in enumerate(frames):
+            part = frame[frame["mode"] == mode]
+            for i, measure in enumerate(measures):
+                g = part[part["measure"] == measure].sort_values("rate")
+                if g.empty:
+                    continue
+                color, marker = _style(str(measure), i)
+                slot = k * len(measures) + i
+                shift = _dodge(g["rate"].to_numpy(float), slot, len(runs) * len(measures))
+                ax.errorbar(
+                    g["rate"].to_numpy(float) + shift,
+                    g[f"{value}_mean"].to_numpy(float),
+                    yerr=g[f"{value}_se"].fillna(0).to_numpy(float),
+                    marker=marker, color=color, linestyle=RUN_STYLES[k], capsize=2, ms=4,
+                )  # fmt: skip
+                shown.append(g[f"{value}_mean"].to_numpy(float))
+        rates = np.concatenate([f["rate"].to_numpy(float) for f in frames])
+        _rate_axis(ax, rates)
+        if shown and wants_log_scale(np.concatenate(shown)):
+            ax.set_yscale("log")
+        better = "higher" if mode == "comprehensiveness" else "lower"
+        ax.set_title(f"{mode} ({better} is more faithful)", fontsize=10)
+        name = "ΔPPL" if value == "delta_ppl" else "ΔNLL"
+        ax.set_ylabel(f"{name} (mean ± 1 s.e.)")
+        ax.grid(alpha=0.3)
+    handles = [
+        plt.Line2D([], [], color=_style(str(m), i)[0], marker=_style(str(m), i)[1], label=str(m))
+        for i, m in enumerate(measures)
+    ] + [
+        plt.Line2D([], [], color="black", linestyle=RUN_STYLES[k], label=label)
+        for k, label in enumerate(runs)
+    ]
+    axes[0][0].legend(handles=handles, fontsize=8)
     if title:
         fig.suptitle(title, fontsize=11)
     fig.tight_layout()
