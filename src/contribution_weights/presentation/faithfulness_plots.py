@@ -30,6 +30,17 @@ def _style(measure: str, i: int) -> tuple[str, str]:
     return MEASURE_STYLE.get(measure, (f"C{(i + 5) % 10}", "x"))
 
 
+def _finish(fig: Any, path: str | Path | None, title: str | None) -> Any:
+    """Title, layout, and saving (then closing) when a path is given; returns ``fig``."""
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+    return fig
+
+
 def wants_log_scale(values: np.ndarray) -> bool:
     """True when all values are positive and span more than :data:`LOG_RANGE`."""
     v = np.asarray(values, dtype=float)
@@ -112,13 +123,7 @@ def plot_faithfulness(
         ax.grid(alpha=0.3)
         if not single:  # one rate: the measures are already the x axis
             ax.legend(fontsize=8)
-    if title:
-        fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    if path is not None:
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-    return fig
+    return _finish(fig, path, title)
 
 
 RUN_STYLES = ("-", "--", ":", "-.")
@@ -177,13 +182,7 @@ def plot_faithfulness_runs(
         for k, label in enumerate(runs)
     ]
     axes[0][0].legend(handles=handles, fontsize=8)
-    if title:
-        fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    if path is not None:
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-    return fig
+    return _finish(fig, path, title)
 
 
 def _accuracy_error(part: pd.DataFrame) -> np.ndarray:
@@ -249,10 +248,4 @@ def plot_downstream(
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    if title:
-        fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    if path is not None:
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-    return fig
+    return _finish(fig, path, title)
