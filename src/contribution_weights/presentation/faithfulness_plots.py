@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import matplotlib
 
@@ -126,7 +126,7 @@ def plot_faithfulness(
     return _finish(fig, path, title)
 
 
-RUN_STYLES = ("-", "--", ":", "-.")
+RUN_STYLES: tuple[Literal["-", "--", ":", "-."], ...] = ("-", "--", ":", "-.")
 
 
 def plot_faithfulness_runs(
