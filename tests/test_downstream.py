@@ -225,6 +225,7 @@ def test_summary_intervals_mcnemar_and_chance_from_per_item_rows():
     assert s.chance == pytest.approx((0.5 + 0.25) / 2)
     assert s.p_vs_clean == pytest.approx(binomial_test_ref(2, 10))
     assert s.accuracy_lo < s.accuracy < s.accuracy_hi and s.clean_lo < s.clean_accuracy < s.clean_hi
+    assert s.changed == pytest.approx(10 / 20)  # 8 lost + 2 gained answers differ from clean
 
 
 def binomial_test_ref(k, n):

@@ -37,6 +37,7 @@ SUMMARY = "summary.csv"
 SUMMARY_COLUMNS = [
     "task", "measure", "rate", "n", "accuracy", "clean_accuracy",
     "accuracy_lo", "accuracy_hi", "clean_lo", "clean_hi", "chance", "p_vs_clean", "p_vs_chance",
+    "changed",
 ]  # fmt: skip
 #: two-sided 95% normal quantile of the Wilson intervals
 Z95 = 1.959963984540054
@@ -148,7 +149,8 @@ def summarise(per_item: pd.DataFrame, task: str) -> pd.DataFrame:
     """Accuracy per (measure, rate) with its 95% Wilson interval, the clean accuracy with
     its interval, chance (the mean of 1/options over items), the exact McNemar p-value
     of the paired difference from clean (items flipped each way) and the exact binomial
-    p-value against chance."""
+    p-value against chance; ``changed`` is the fraction of items whose answer differs from
+    the clean one (informative even when accuracy cannot move, e.g. a model at chance)."""
     if per_item.empty:
         return pd.DataFrame(columns=SUMMARY_COLUMNS)
     items = per_item.drop_duplicates("item")
@@ -168,6 +170,7 @@ def summarise(per_item: pd.DataFrame, task: str) -> pd.DataFrame:
             task, measure, float(rate), n, k / n, clean,
             *wilson_interval(k, n), *wilson_interval(k_clean, n_clean), chance,
             binomial_test(lost, lost + gained, 0.5), p_chance,
+            float((g["pick"] != g["clean_pick"]).mean()),
         ])  # fmt: skip
     return pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
 
