@@ -96,3 +96,29 @@ def test_interrupted_run_says_how_to_resume(lm, tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "interrupted" in err and resume_hint(argv) in err
     assert resume_hint(argv).endswith("--resume") and resume_hint(argv).startswith("cw faith")
+
+
+def test_seconds_add_up_over_an_interrupted_session_and_its_resume(lm, tmp_path, monkeypatch):
+    from contribution_weights.experiments import faithfulness as faith_module
+
+    texts = ["the cat sat on the mat", "water boils at one hundred degrees"]
+    real = faith_module.sequence_rows
+    calls = []
+
+    def second_interrupts(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(faith_module, "sequence_rows", second_interrupts)
+    kw = dict(measures=["vw"], rates=[0.5], out=tmp_path / "r", progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        faithfulness(lm, texts, **kw)
+    info = json.loads((tmp_path / "r" / "run_info.json").read_text())
+    assert info["finished"] is False and info["seconds"] >= 0
+    info["seconds"] = 1000.0  # as if the first session had run that long
+    (tmp_path / "r" / "run_info.json").write_text(json.dumps(info))
+    res = faithfulness(lm, texts, resume=True, **kw)
+    assert res.run_info["finished"] is True and 1000.0 <= res.run_info["seconds"] < 1100
+    assert res.per_sequence.seq.nunique() == 2

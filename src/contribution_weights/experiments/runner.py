@@ -26,6 +26,7 @@ process only.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -204,10 +205,42 @@ def run_experiment(
     return _run(experiment, RunFolder.existing(out, config), procs, progress, keep=True)
 
 
+def _earlier_seconds(folder: RunFolder) -> float:
+    """Seconds the earlier sessions of this run spent (their run_info.json), else 0."""
+    path = folder.path / RUN_INFO
+    try:
+        return float(json.loads(path.read_text()).get("seconds", 0.0))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0.0
+
+
 def _run(
     experiment: Experiment[R], folder: RunFolder, procs: Processes, progress: bool, keep: bool
 ) -> R:
+    """Every phase, then run_info.json (whose ``seconds`` add up over resumed sessions: an
+    interrupted session writes it too, with ``finished: false``)."""
     started = time.perf_counter()
+    earlier = _earlier_seconds(folder) if keep else 0.0
+    try:
+        return _run_phases(experiment, folder, procs, progress, keep, started, earlier)
+    except BaseException:
+        if keep and procs.main and procs.world == 1:
+            info = {"versions": versions(), "finished": False,
+                    "seconds": round(earlier + time.perf_counter() - started, 1)}  # fmt: skip
+            with contextlib.suppress(OSError):  # the interruption is the error to report
+                folder.write_json(RUN_INFO, info)
+        raise
+
+
+def _run_phases(
+    experiment: Experiment[R],
+    folder: RunFolder,
+    procs: Processes,
+    progress: bool,
+    keep: bool,
+    started: float,
+    earlier: float,
+) -> R:
     part = folder if procs.world == 1 else folder.part(f"{PARTS}/{procs.rank}")
     files = _Files(folder, part)
     counts: dict[str, int] = {}
@@ -251,7 +284,8 @@ def _run(
     skipped = sorted(_read_skipped(folder), key=lambda r: (r["phase"], r["unit"]))
     run_info = {
         "versions": versions(),
-        "seconds": round(time.perf_counter() - started, 1),
+        "finished": True,
+        "seconds": round(earlier + time.perf_counter() - started, 1),
         "processes": procs.world,
         "units": counts,
         "skipped": skipped,
