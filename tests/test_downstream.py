@@ -64,6 +64,8 @@ def test_one_token_options_read_from_one_row_equal_a_row_per_option():
     want = logp[:, len(prompt) - 1].double().reshape(len(removals), len(options))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert not torch.equal(got[0], got[1])  # the removal changed the scores
+    one_by_one = option_scores(lm, prompt, options, removals, batch_size=1)
+    torch.testing.assert_close(one_by_one, got, rtol=1e-5, atol=1e-5)
 
 
 def test_pick_hand_made_scores():
@@ -232,3 +234,25 @@ def binomial_test_ref(k, n):
     """Two-sided exact test against 1/2, by hand: twice the smaller tail."""
     tail = sum(math.comb(n, i) for i in range(min(k, n - k) + 1)) / 2**n
     return min(1.0, 2 * tail)
+
+
+def test_intervals_hold_the_estimate_at_zero_and_full_accuracy_and_plot():
+    from contribution_weights.experiments.downstream import wilson_interval
+    from contribution_weights.presentation.faithfulness_plots import plot_downstream
+
+    for n in range(1, 300):  # rounding once put a bound a hair past 0 or 1
+        lo, hi = wilson_interval(n, n)
+        assert lo <= 1.0 == hi
+        lo, hi = wilson_interval(0, n)
+        assert lo == 0.0 <= hi
+    rows = []
+    for item in range(10):
+        rows.append({"item": item, "measure": "vw", "rate": 0.5, "answer": 0, "pick": 0,
+                     "correct": 1, "clean_pick": 0, "clean_correct": 1,
+                     "n_prompt_tokens": 5, "n_options": 2})  # fmt: skip
+        rows.append({**rows[-1], "measure": "ihc", "pick": 1, "correct": 0})
+    from contribution_weights.experiments.downstream import per_item_frame, summarise
+
+    summary = summarise(per_item_frame(rows), "toy")
+    assert summary.accuracy.tolist() == [1.0, 0.0]
+    plot_downstream(summary)  # error bars are never negative

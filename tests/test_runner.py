@@ -122,3 +122,16 @@ def test_seconds_add_up_over_an_interrupted_session_and_its_resume(lm, tmp_path,
     res = faithfulness(lm, texts, resume=True, **kw)
     assert res.run_info["finished"] is True and 1000.0 <= res.run_info["seconds"] < 1100
     assert res.per_sequence.seq.nunique() == 2
+
+
+def test_an_error_while_rendering_keeps_the_finished_run_info(lm, tmp_path, monkeypatch):
+    from contribution_weights.experiments.faithfulness import FaithfulnessResult
+
+    def broken(self, folder):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(FaithfulnessResult, "write_summary", broken)
+    with pytest.raises(KeyboardInterrupt):
+        faithfulness(lm, TEXTS, measures=["vw"], rates=[0.5], out=tmp_path / "r", progress=False)
+    info = json.loads((tmp_path / "r" / "run_info.json").read_text())
+    assert info["finished"] is True and info["units"] == {"faithfulness": len(TEXTS)}

@@ -381,21 +381,26 @@ class SinkValueScale:
 DEFAULT_MEMORY_BYTES = 3 * 1024**3
 
 
-def row_bytes(model: LoadedModel, num_tokens: int) -> int:
-    """Rough peak memory of one batch row of a removal forward (bytes)."""
+def row_bytes(model: LoadedModel, num_tokens: int, logit_positions: int | None = None) -> int:
+    """Rough peak memory of one batch row of a removal forward (bytes); the output head's
+    logits are counted at ``logit_positions`` positions (default: every token)."""
     cfg = model.text_config
     d = int(cfg.hidden_size)
     inter = int(getattr(cfg, "intermediate_size", 4 * d) or 4 * d)
     vocab = int(cfg.vocab_size)
     heads = model.num_heads
     t = num_tokens
-    per_token = 4 * (3 * vocab + 24 * d + 4 * inter)  # logits + log-softmax, activations
+    logits = 4 * 3 * vocab * (t if logit_positions is None else logit_positions)
+    per_token = 4 * (24 * d + 4 * inter)  # activations
     attention = 4 * heads * t * t * 10  # probs and measure intermediates of one layer
-    return per_token * t + attention
+    return logits + per_token * t + attention
 
 
-def auto_batch_size(model: LoadedModel, num_tokens: int, memory_bytes: int) -> int:
-    return max(1, memory_bytes // max(1, row_bytes(model, num_tokens)))
+def auto_batch_size(
+    model: LoadedModel, num_tokens: int, memory_bytes: int, logit_positions: int | None = None
+) -> int:
+    need = row_bytes(model, num_tokens, logit_positions)
+    return max(1, memory_bytes // max(1, need))
 
 
 def _is_oom(err: BaseException) -> bool:
@@ -419,7 +424,7 @@ def _forward(
         intervention as scale,
         capturing(model.model, intervention=scale) as session,
     ):
-        keep = {"logits_to_keep": 1} if last else {}
+        keep = model.last_logits_only() if last else {}
         logits = model.model(input_ids=ids, use_cache=False, **keep).logits
         check_all_layers_seen(session, model.num_layers)
     if last:  # the whole next-token distribution after the last position
@@ -500,14 +505,15 @@ def intervened_logprobs(
     if input_ids.ndim != 2:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} must be (rows, tokens)")
     if input_ids.shape[1] < (1 if last else 2):
-        raise ValueError("a sequence needs at least 2 tokens to be scored")
+        need = "a token" if last else "at least 2 tokens"
+        raise ValueError(f"a sequence needs {need} to be scored")
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch_size must be at least 1 (or None for automatic), got {batch_size}")
     rows = input_ids.shape[0]
     size = (
         batch_size
         if batch_size is not None
-        else auto_batch_size(model, input_ids.shape[1], memory_bytes)
+        else auto_batch_size(model, input_ids.shape[1], memory_bytes, 1 if last else None)
     )
     parts: list[Tensor] = []
     start = 0
@@ -525,6 +531,9 @@ def intervened_logprobs(
                 torch.cuda.empty_cache()
             continue
         start = stop
+    if not parts:  # no rows
+        width = int(model.text_config.vocab_size) if last else input_ids.shape[1] - 1
+        return torch.empty(0, width)
     return torch.cat(parts)
 
 

@@ -69,6 +69,14 @@ class LoadedModel:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    def last_logits_only(self) -> dict[str, Any]:
+        """Forward keyword arguments that ask for the last position's logits only
+        (``logits_to_keep=1``), where the model's forward accepts them; else none."""
+        import inspect
+
+        params = inspect.signature(self.model.forward).parameters
+        return {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+
     def __repr__(self) -> str:
         return (
             f"LoadedModel({self.name!r}, {self.config.model_type}, {self.num_layers} layers, "

@@ -549,15 +549,6 @@ def _is_batch(inputs: Any) -> bool:
     return isinstance(first, (str, list, tuple)) or (isinstance(first, Tensor) and first.dim() >= 1)
 
 
-def _no_logits(model: LoadedModel) -> dict[str, Any]:
-    """Ask for the last position's logits only (a trace needs none; at long context all of
-    them are the largest tensor of the forward), where the model supports it."""
-    import inspect
-
-    params = inspect.signature(model.model.forward).parameters
-    return {"logits_to_keep": 1} if "logits_to_keep" in params else {}
-
-
 def _run(
     model: LoadedModel,
     ids: Tensor,
@@ -587,7 +578,9 @@ def _run(
             torch.no_grad(),
             capturing(model.model, [recorder], block_bytes=block_bytes) as session,
         ):
-            model.model(input_ids=ids[None].to(model.device), use_cache=False, **_no_logits(model))
+            model.model(
+                input_ids=ids[None].to(model.device), use_cache=False, **model.last_logits_only()
+            )
             check_all_layers_seen(session, model.num_layers)
     finally:
         pbar.close()

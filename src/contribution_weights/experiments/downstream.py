@@ -50,7 +50,8 @@ def wilson_interval(k: int, n: int, z: float = Z95) -> tuple[float, float]:
     p, z2 = k / n, z * z
     centre = (p + z2 / (2 * n)) / (1 + z2 / n)
     half = z / (1 + z2 / n) * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # rounding can put a bound a hair past k/n at k = 0 or n; the interval holds the estimate
+    return max(0.0, min(centre - half, p)), min(1.0, max(centre + half, p))
 
 
 def binomial_test(k: int, n: int, p: float) -> float:

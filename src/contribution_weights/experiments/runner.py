@@ -221,10 +221,12 @@ def _run(
     interrupted session writes it too, with ``finished: false``)."""
     started = time.perf_counter()
     earlier = _earlier_seconds(folder) if keep else 0.0
+    written: list[bool] = []  # set once the finished run_info is on disk
     try:
-        return _run_phases(experiment, folder, procs, progress, keep, started, earlier)
+        return _run_phases(experiment, folder, procs, progress, keep, started, earlier, written)
     except BaseException:
-        if keep and procs.main and procs.world == 1:
+        # an error while rendering the result must not replace the finished run_info
+        if keep and procs.main and procs.world == 1 and not written:
             info = {"versions": versions(), "finished": False,
                     "seconds": round(earlier + time.perf_counter() - started, 1)}  # fmt: skip
             with contextlib.suppress(OSError):  # the interruption is the error to report
@@ -240,6 +242,7 @@ def _run_phases(
     keep: bool,
     started: float,
     earlier: float,
+    written: list[bool],
 ) -> R:
     part = folder if procs.world == 1 else folder.part(f"{PARTS}/{procs.rank}")
     files = _Files(folder, part)
@@ -292,6 +295,7 @@ def _run_phases(
     }
     if keep and procs.main:
         folder.write_json(RUN_INFO, run_info)
+        written.append(True)
     result = experiment.result(rows, run_info)
     if keep and procs.main:
         save = getattr(result, "write_summary", None)

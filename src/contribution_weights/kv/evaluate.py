@@ -44,10 +44,11 @@ QUESTION = "\nWhat is the pass key? The pass key is"
 
 def continuation_nll(logits: Tensor, targets: Tensor) -> float:
     """Mean NLL of ``targets`` ``(B, n)`` under ``logits`` ``(B, n, V)`` (aligned: logit i
-    predicts target i). The log-softmax runs in the logits' own precision (a float64 copy
-    of a 262k-entry vocabulary per position cost a third of a Gemma 3 item); the mean is
-    taken in float64."""
-    logp = torch.log_softmax(logits.detach(), dim=-1)
+    predicts target i). The log-softmax runs in float32 (float64 for float64 logits): a
+    float64 copy of a 262k-entry vocabulary per position cost a third of a Gemma 3 item,
+    and bfloat16 would round each log-probability; the mean is taken in float64."""
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    logp = torch.log_softmax(logits.detach(), dim=-1, dtype=dtype)
     picked = logp.gather(-1, targets.to(logp.device)[..., None])
     return float(-picked.double().mean())
 

@@ -142,7 +142,7 @@ def prefill(
     observer = StatsObserver(layers, window)
     ids = ids.to(net.device)
     with torch.no_grad(), capturing(net, observers=[observer]) as session:
-        out = net(input_ids=ids, use_cache=True, logits_to_keep=1)  # only the next token's
+        out = net(input_ids=ids, use_cache=True, **model.last_logits_only())
     check_all_layers_seen(session, model.num_layers)
     cache = out.cache if hasattr(out, "cache") else out.past_key_values
     kept = set(compressible_layers(cache))

@@ -191,7 +191,7 @@ def _accuracy_error(part: pd.DataFrame) -> np.ndarray:
     acc = part["accuracy"].to_numpy(float)
     if "accuracy_lo" in part:
         lo, hi = part["accuracy_lo"].to_numpy(float), part["accuracy_hi"].to_numpy(float)
-        return np.stack([acc - lo, hi - acc])
+        return np.clip(np.stack([acc - lo, hi - acc]), 0, None)
     se = binomial_se(acc, part["n"].to_numpy(float))
     return np.stack([se, se])
 
