@@ -10,6 +10,7 @@ cache, whose positions are passed explicitly to continue at the prefill length.
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import pandas as pd
@@ -218,8 +219,14 @@ def test_kv_eval_runs_resumes_and_summarises(tmp_path: Any) -> None:
         ("none", 0.0), ("contribution_sinks", 0.5), ("h2o", 0.5)
     }  # fmt: skip
     assert (first.summary["n"] == 3).all()
+    info_path = tmp_path / "run" / "run_info.json"
+    info = json.loads(info_path.read_text())
+    assert info["finished"] is True and info["items"] == 3 and info["seconds"] >= 0
+    info["seconds"] = 1000.0  # as if the first session had run that long
+    info_path.write_text(json.dumps(info))
     again = kv_eval(model, options=opts, out=tmp_path / "run", resume=True, progress=False)
     assert len(again.per_item) == len(first.per_item) == 9  # nothing redone, nothing lost
+    assert 1000.0 <= json.loads(info_path.read_text())["seconds"] < 1100  # sessions add up
     pd.testing.assert_frame_equal(again.summary, first.summary, check_dtype=False)
     loaded = KVEvalResult.load(tmp_path / "run")
     pd.testing.assert_frame_equal(loaded.summary, first.summary, check_dtype=False)
@@ -234,6 +241,35 @@ def test_kv_eval_runs_resumes_and_summarises(tmp_path: Any) -> None:
     assert lm.config["items_available"] == 2
     with pytest.raises(ValueError, match="compression ratio"):
         KVEvalOptions(ratios=[0.5, 1.0]).check()
+
+
+def test_an_interrupted_kv_eval_keeps_its_items_and_says_it_did_not_finish(
+    tmp_path: Any, monkeypatch: Any
+) -> None:
+    from contribution_weights.experiments import kv_eval as kv_module
+
+    model = tiny_model("llama")
+    opts = kv_module.KVEvalOptions(
+        task="passkey", methods="h2o", ratios=[0.5], context_tokens=256, n=3, window=8
+    )
+    real = kv_module.item_rows
+    calls: list[int] = []
+
+    def second_interrupts(*a: Any, **k: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(kv_module, "item_rows", second_interrupts)
+    with pytest.raises(KeyboardInterrupt):
+        kv_module.kv_eval(model, options=opts, out=tmp_path / "run", progress=False)
+    info = json.loads((tmp_path / "run" / "run_info.json").read_text())
+    assert info["finished"] is False and info["items"] == 1
+    monkeypatch.setattr(kv_module, "item_rows", real)
+    done = kv_module.kv_eval(model, options=opts, out=tmp_path / "run", resume=True, progress=False)
+    assert done.per_item["item"].nunique() == 3
+    assert json.loads((tmp_path / "run" / "run_info.json").read_text())["finished"] is True
 
 
 def test_cli_rejects_bad_ratios_and_methods_before_loading(tmp_path: Any, capsys: Any) -> None:

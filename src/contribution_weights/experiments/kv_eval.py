@@ -5,11 +5,14 @@ method and ratio; each (method, ratio) is a copy of the cache compressed and eva
 the task (:mod:`contribution_weights.kv.evaluate`). Ratio 0 (no compression) is evaluated
 once per item, under the method name ``none``. Rows are appended to ``per_item.csv`` as
 each item finishes, so an interrupted run resumes where it stopped (a
-:class:`~contribution_weights.runs.RunFolder`, as the faithfulness experiment).
+:class:`~contribution_weights.runs.RunFolder`, as the faithfulness experiment), and
+``run_info.json`` (versions, ``finished``, ``seconds`` added up over resumed sessions) is
+written when a session ends, finished or interrupted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -26,6 +29,7 @@ from ..kv.methods import WINDOW
 from ..loading import LoadedModel
 from ..progress import bar
 from ..runs import RunFolder, fingerprint
+from .runner import RUN_INFO, earlier_seconds, versions
 
 TASKS = ("lm", "passkey")
 METRIC = {"lm": "nll", "passkey": "accuracy"}
@@ -208,6 +212,8 @@ def kv_eval(
                        disable=not progress)  # fmt: skip
     made = 0
     started = time.perf_counter()
+    earlier = earlier_seconds(folder) if folder is not None else 0.0
+    finished = False
     try:
         for i, item in enumerate(_items(model, opts, texts)):
             made += 1
@@ -218,8 +224,15 @@ def kv_eval(
                 folder.append_rows(PER_ITEM, item_out)
             rows.extend(item_out)
             progress_bar.update(1)
+        finished = True
     finally:
         progress_bar.close()
+        if folder is not None:
+            info = {"versions": versions(), "finished": finished,
+                    "seconds": round(earlier + time.perf_counter() - started, 1),
+                    "items": len({r["item"] for r in rows})}  # fmt: skip
+            with contextlib.suppress(OSError):  # an interruption is the error to report
+                folder.write_json(RUN_INFO, info)
     frame = pd.DataFrame(rows)
     if not frame.empty:
         frame["item"] = frame["item"].astype(int)
@@ -230,7 +243,7 @@ def kv_eval(
             frame["depth"] = frame["depth"].astype(float)
         frame = frame.sort_values(["item"], kind="stable").reset_index(drop=True)
     config["items_available"] = made
-    config["seconds"] = round(time.perf_counter() - started, 1)
+    config["seconds"] = round(earlier + time.perf_counter() - started, 1)
     result = KVEvalResult(frame, config)
     if folder is not None:
         folder.write_bytes(SUMMARY, result.summary.to_csv(index=False).encode())

@@ -205,7 +205,7 @@ def run_experiment(
     return _run(experiment, RunFolder.existing(out, config), procs, progress, keep=True)
 
 
-def _earlier_seconds(folder: RunFolder) -> float:
+def earlier_seconds(folder: RunFolder) -> float:
     """Seconds the earlier sessions of this run spent (their run_info.json), else 0."""
     path = folder.path / RUN_INFO
     try:
@@ -220,7 +220,7 @@ def _run(
     """Every phase, then run_info.json (whose ``seconds`` add up over resumed sessions: an
     interrupted session writes it too, with ``finished: false``)."""
     started = time.perf_counter()
-    earlier = _earlier_seconds(folder) if keep else 0.0
+    earlier = earlier_seconds(folder) if keep else 0.0
     written: list[bool] = []  # set once the finished run_info is on disk
     try:
         return _run_phases(experiment, folder, procs, progress, keep, started, earlier, written)
