@@ -22,22 +22,12 @@ import argparse
 import json
 import os
 import platform
-import statistics
-import time
 from pathlib import Path
 from typing import Any
 
+from _timing import median_seconds  # benchmarks/_timing.py, beside this script
+
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
-
-
-def _median(fn: Any, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> int:
@@ -85,10 +75,10 @@ def main() -> int:
                     cw.kv.kept_positions(spec.score(stats), 0.5)
 
         t = {
-            "prefill": _median(plain, args.repeats),
-            "capture": _median(captured, args.repeats),
-            "scored": _median(scored, args.repeats),
-            "methods": _median(methods, args.repeats),
+            "prefill": median_seconds(plain, args.repeats),
+            "capture": median_seconds(captured, args.repeats),
+            "scored": median_seconds(scored, args.repeats),
+            "methods": median_seconds(methods, args.repeats),
         }
         row = {
             "context": c,

@@ -22,11 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from _timing import median_seconds  # benchmarks/_timing.py, beside this script
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "fineweb_edu"
 
@@ -42,16 +43,6 @@ def _ids(model: Any, length: int) -> Any:
 
         texts = [files("contribution_weights").joinpath("examples/example.txt").read_text()] * 400
     return torch.tensor(model.tokenizer("\n\n".join(texts))["input_ids"][:length])
-
-
-def _timed(fn: Any, repeats: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _size(path: Path) -> int:
@@ -102,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     t = ids.numel()
     dtype = getattr(torch, args.storage)
     work = Path(tempfile.mkdtemp(prefix="cw-bench-storage-"))
-    rows = slice(t // 2, t // 2 + 64)
+    rows = slice(t // 2, min(t, t // 2 + 64))
     results = []
 
     # packed safetensors: what the trace writes as the forward runs, block by block (the
@@ -123,14 +114,15 @@ def main(argv: list[str] | None = None) -> int:
     store.close()
     write = time.perf_counter() - start
     lazy = cw.Trace.load(work / "packed")
-    stored = lazy.maps.names  # type: ignore[union-attr]
+    maps: Any = lazy.maps
+    stored, head = maps.names, slice(0, 1)
     results.append(
         {
             "format": "packed safetensors (this library)",
             "bytes": _size(work / "packed" / "maps"),
             "write_s": write,
-            "read_head_s": _timed(lambda: lazy.maps.read(stored[0], 0, slice(0, 1), slice(0, t))),  # type: ignore[union-attr]
-            "read_rows_s": _timed(lambda: lazy.maps.read(stored[0], 0, slice(0, 1), rows)),  # type: ignore[union-attr]
+            "read_head_s": median_seconds(lambda: maps.read(stored[0], 0, head, slice(0, t))),
+            "read_rows_s": median_seconds(lambda: maps.read(stored[0], 0, head, rows)),
         }
     )
 
@@ -148,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
             "format": "dense safetensors",
             "bytes": _size(work / "dense.safetensors"),
             "write_s": write,
-            "read_head_s": _timed(lambda: read_dense(slice(0, t))),
-            "read_rows_s": _timed(lambda: read_dense(rows)),
+            "read_head_s": median_seconds(lambda: read_dense(slice(0, t))),
+            "read_rows_s": median_seconds(lambda: read_dense(rows)),
         }
     )
 
@@ -173,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
                 "format": "zarr v3 + zstd, chunks (1, 256, T)",
                 "bytes": _size(work / "maps.zarr"),
                 "write_s": write,
-                "read_head_s": _timed(lambda: arrays[stored[0]][0:1, :]),
-                "read_rows_s": _timed(lambda: arrays[stored[0]][0:1, rows]),
+                "read_head_s": median_seconds(lambda: arrays[stored[0]][0:1, :]),
+                "read_rows_s": median_seconds(lambda: arrays[stored[0]][0:1, rows]),
             }
         )
 

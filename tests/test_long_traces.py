@@ -107,6 +107,17 @@ def test_reads_touch_only_the_rows_asked_for(tmp_path, monkeypatch):
     assert seen == [("contribution", 1, slice(2, 3), slice(5, 8))]
 
 
+def test_a_row_slice_past_the_end_reads_like_a_tensor_slice(tmp_path):
+    lm = tiny_model("llama")
+    memory = cw.trace(lm, IDS, measures=["contribution"])
+    cw.trace(lm, IDS, measures=["contribution"], out=tmp_path)
+    maps, t = cw.Trace.load(tmp_path).maps, len(IDS)
+    full = memory["contribution"].tensor()
+    for rows in (slice(t // 2, t + 64), slice(t + 3, t + 9), slice(-4, None)):
+        got = maps.read("contribution", 1, slice(0, 2), rows)
+        assert torch.equal(got, full[1, 0:2, rows]), rows
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_reductions_without_maps_equal_reductions_of_maps(family):
     lm = tiny_model(family)

@@ -294,6 +294,8 @@ class PackedMaps:
     def read(self, name: str, pos: int, heads: slice, rows: slice) -> Tensor:
         handle = self._reader(pos)
         t = self.num_tokens
+        start, stop, _ = rows.indices(t)  # clipped to the trace, as slicing a tensor would be
+        rows = slice(start, max(start, stop))
         view = handle.get_slice(name)
         if self.layouts[pos] == "full":
             return _float(view[heads, rows, :])
