@@ -98,6 +98,41 @@ def test_interrupted_run_says_how_to_resume(lm, tmp_path, monkeypatch, capsys):
     assert resume_hint(argv).endswith("--resume") and resume_hint(argv).startswith("cw faith")
 
 
+def test_sigterm_ends_a_run_like_ctrl_c_keeping_its_run_info(lm, tmp_path, monkeypatch, capsys):
+    import signal
+
+    from contribution_weights.experiments import faithfulness as faith_module
+
+    real = faith_module.sequence_rows
+    calls = []
+
+    def second_is_terminated(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*a, **k)
+
+    monkeypatch.setattr("contribution_weights.loading.load_model", lambda *a, **k: lm)
+    monkeypatch.setattr(faith_module, "sequence_rows", second_is_terminated)
+    (tmp_path / "t.txt").write_text("the cat sat on the mat\n\nwater boils at one hundred")
+    argv = ["faithfulness", "--file", str(tmp_path / "t.txt"), "--measures", "vw",
+            "--rates", "0.5", "--out", str(tmp_path / "o")]  # fmt: skip
+
+    def ignore(signum, frame):  # without cw's handler the signal lands here, not in pytest
+        pass
+
+    before = signal.signal(signal.SIGTERM, ignore)
+    try:
+        assert main(argv) == 130
+        assert "interrupted" in capsys.readouterr().err
+        assert signal.getsignal(signal.SIGTERM) is ignore  # the caller's handler is put back
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    info = json.loads((tmp_path / "o" / "run_info.json").read_text())
+    assert info["finished"] is False
+    assert len(pd.read_csv(tmp_path / "o" / "per_sequence.csv").seq.unique()) == 1
+
+
 def test_seconds_add_up_over_an_interrupted_session_and_its_resume(lm, tmp_path, monkeypatch):
     from contribution_weights.experiments import faithfulness as faith_module
 

@@ -9,8 +9,12 @@ API uses.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from . import (
     downstream_cmd,
@@ -45,6 +49,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM (a closing session, ``kill``, a scheduler's time limit) ends a command the
+    way Ctrl-C does: run folders record what finished (``run_info.json`` with
+    ``finished: false`` and the seconds spent) and the resume hint is printed."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set from the main thread
+        return
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -55,7 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     expected = (InputError, ModelLoadError, RunFolderError, CaptureError, ValueError)
     try:
-        return int(args.func(args) or 0)
+        with _terminate_as_interrupt():
+            return int(args.func(args) or 0)
     except (*expected, FileNotFoundError) as err:
         print(f"cw {args.command}: error: {err}", file=sys.stderr)
         return 2
