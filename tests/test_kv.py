@@ -231,6 +231,8 @@ def test_kv_eval_runs_resumes_and_summarises(tmp_path: Any) -> None:
     loaded = KVEvalResult.load(tmp_path / "run")
     pd.testing.assert_frame_equal(loaded.summary, first.summary, check_dtype=False)
     assert (tmp_path / "run" / "summary_depth.csv").exists()
+    assert (tmp_path / "run" / "summary_paired.csv").exists()
+    assert len(first.plot().axes) == 1  # passkey: accuracy only
     texts = ["abcdefghij" * 30, "klmnop" * 10, "qrstuvwxyz" * 20]
     lm = kv_eval(
         model, texts, options=KVEvalOptions(task="lm", methods="knorm", ratios=[0, 0.25],
@@ -239,6 +241,15 @@ def test_kv_eval_runs_resumes_and_summarises(tmp_path: Any) -> None:
     )  # fmt: skip
     assert list(lm.summary.columns) == ["method", "task", "ratio", "n", "nll_mean", "nll_se"]
     assert lm.config["items_available"] == 2
+    paired = lm.paired().set_index(["method", "ratio"])
+    assert list(paired.columns) == ["task", "n", "delta_mean", "delta_se"]
+    assert paired.loc[("none", 0.0), "delta_mean"] == 0 == paired.loc[("none", 0.0), "delta_se"]
+    rows = lm.per_item.set_index(["method", "item"])["nll"]
+    by_item = rows.loc["knorm"] - rows.loc["none"]
+    assert paired.loc[("knorm", 0.25), "delta_mean"] == pytest.approx(by_item.mean())
+    assert paired.loc[("knorm", 0.25), "delta_se"] == pytest.approx(by_item.sem())
+    fig = lm.plot()
+    assert len(fig.axes) == 2 and fig.axes[1].get_yscale() == "symlog"  # raw and paired panels
     with pytest.raises(ValueError, match="compression ratio"):
         KVEvalOptions(ratios=[0.5, 1.0]).check()
 

@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
             f"only {n_done} of {options.n} items: the texts ran out (each needs "
             f"{options.context_tokens + 129} tokens)"
         )
-    written = "per_item.csv, summary.csv"
+    written = "per_item.csv, summary.csv, summary_paired.csv"
     if not result.summary.empty:
         result.plot(args.out / f"kv-{METRIC[task]}.png")
         written += f", kv-{METRIC[task]}.png"

@@ -37,6 +37,7 @@ DEFAULT_RATIOS = (0.0, 0.25, 0.5, 0.75, 0.9)
 PER_ITEM = "per_item.csv"
 SUMMARY = "summary.csv"
 SUMMARY_DEPTH = "summary_depth.csv"
+SUMMARY_PAIRED = "summary_paired.csv"
 NO_COMPRESSION = "none"
 
 
@@ -90,6 +91,13 @@ class KVEvalResult:
         """Passkey accuracy per (method, ratio, depth)."""
         return summarise(self.per_item, self.config["task"], by=("depth",))
 
+    def paired(self) -> pd.DataFrame:
+        """Each item's metric minus its own uncompressed one, mean and standard error per
+        (method, ratio): ``method, task, ratio, n, delta_mean, delta_se``. Differences on
+        the same item and continuation separate methods far better than the raw means,
+        whose spread is mostly how hard each text is."""
+        return paired_summary(self.per_item, self.config["task"])
+
     @classmethod
     def load(cls, folder: str | Path) -> KVEvalResult:
         """The rows written so far in a run folder (a finished or an interrupted run)."""
@@ -106,6 +114,7 @@ class KVEvalResult:
         """Write ``summary.csv`` (and ``summary_depth.csv`` for passkey) into ``folder``."""
         folder = Path(folder)
         self.summary.to_csv(folder / SUMMARY, index=False)
+        self.paired().to_csv(folder / SUMMARY_PAIRED, index=False)
         if self.config["task"] == "passkey":
             self.by_depth().to_csv(folder / SUMMARY_DEPTH, index=False)
         return folder
@@ -116,7 +125,8 @@ class KVEvalResult:
         c = self.config
         n = int(self.summary["n"].max()) if not self.summary.empty else 0
         title = f"{c['model']} · {c['source']} · C={c['context_tokens']} · n={n}"
-        return plot_kv(self.summary, METRIC[c["task"]], path=path, title=title)
+        paired = self.paired() if c["task"] == "lm" else None
+        return plot_kv(self.summary, METRIC[c["task"]], path=path, title=title, paired=paired)
 
 
 def summarise(per_item: pd.DataFrame, task: str, by: Sequence[str] = ()) -> pd.DataFrame:
@@ -131,6 +141,23 @@ def summarise(per_item: pd.DataFrame, task: str, by: Sequence[str] = ()) -> pd.D
     ).reset_index()
     out["task"] = task
     return out.sort_values(["ratio", "method", *by], kind="stable")[cols].reset_index(drop=True)
+
+
+def paired_summary(per_item: pd.DataFrame, task: str) -> pd.DataFrame:
+    """Per (method, ratio): mean and s.e. over items of the metric minus the same item's
+    uncompressed metric (items without an uncompressed row are left out)."""
+    metric = METRIC[task]
+    cols = ["method", "task", "ratio", "n", "delta_mean", "delta_se"]
+    if per_item.empty or NO_COMPRESSION not in set(per_item["method"]):
+        return pd.DataFrame(columns=cols)
+    base = per_item[per_item["method"] == NO_COMPRESSION].set_index("item")[metric]
+    delta = per_item[metric].astype(float) - per_item["item"].map(base).astype(float)
+    frame = per_item.assign(delta=delta).dropna(subset=["delta"])
+    g = frame.groupby(["method", "ratio"], sort=False)["delta"]
+    out = g.agg(n="size", delta_mean="mean", delta_se="sem").reset_index()
+    out["delta_se"] = out["delta_se"].fillna(0.0)
+    out["task"] = task
+    return out.sort_values(["ratio", "method"], kind="stable")[cols].reset_index(drop=True)
 
 
 def _items(model: LoadedModel, opts: KVEvalOptions, texts: Sequence[str] | None) -> Iterator[Any]:
@@ -247,6 +274,7 @@ def kv_eval(
     result = KVEvalResult(frame, config)
     if folder is not None:
         folder.write_bytes(SUMMARY, result.summary.to_csv(index=False).encode())
+        folder.write_bytes(SUMMARY_PAIRED, result.paired().to_csv(index=False).encode())
         if opts.task == "passkey":
             folder.write_bytes(SUMMARY_DEPTH, result.by_depth().to_csv(index=False).encode())
     return result
