@@ -30,13 +30,16 @@ def _style(measure: str, i: int) -> tuple[str, str]:
     return MEASURE_STYLE.get(measure, (f"C{(i + 5) % 10}", "x"))
 
 
-def _finish(fig: Any, path: str | Path | None, title: str | None) -> Any:
-    """Title, layout, and saving (then closing) when a path is given; returns ``fig``."""
+def finish(
+    fig: Any, path: str | Path | None, title: str | None, *, dpi: int = 110, fontsize: int = 11
+) -> Any:
+    """Title, layout, and saving (then closing) when a path is given; returns ``fig``.
+    Shared by the experiment figures (faithfulness, downstream, kv-eval)."""
     if title:
-        fig.suptitle(title, fontsize=11)
+        fig.suptitle(title, fontsize=fontsize)
     fig.tight_layout()
     if path is not None:
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=dpi)
         plt.close(fig)
     return fig
 
@@ -123,7 +126,7 @@ def plot_faithfulness(
         ax.grid(alpha=0.3)
         if not single:  # one rate: the measures are already the x axis
             ax.legend(fontsize=8)
-    return _finish(fig, path, title)
+    return finish(fig, path, title)
 
 
 RUN_STYLES: tuple[Literal["-", "--", ":", "-."], ...] = ("-", "--", ":", "-.")
@@ -182,7 +185,7 @@ def plot_faithfulness_runs(
         for k, label in enumerate(runs)
     ]
     axes[0][0].legend(handles=handles, fontsize=8)
-    return _finish(fig, path, title)
+    return finish(fig, path, title)
 
 
 def _accuracy_error(part: pd.DataFrame) -> np.ndarray:
@@ -248,4 +251,4 @@ def plot_downstream(
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    return _finish(fig, path, title)
+    return finish(fig, path, title)

@@ -15,6 +15,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pandas as pd
 
+from .faithfulness_plots import finish
+
 OURS = ("contribution", "contribution_sinks")
 LABEL = {"nll": "NLL of the next 128 tokens (lower is better)", "accuracy": "passkey accuracy"}
 
@@ -49,13 +51,7 @@ def plot_kv(
         a.set_xlabel("compression ratio (fraction of cache entries evicted)")
         a.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2, frameon=False)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    if path is not None:
-        fig.savefig(path, dpi=130)
-        plt.close(fig)
-    return fig
+    return finish(fig, path, title, dpi=130, fontsize=10)
 
 
 def _lines(ax: Any, frame: pd.DataFrame, mean: str, se: str) -> None:
