@@ -355,9 +355,9 @@ def distance(lt: LayerTensors, max_elements: int = 1 << 25) -> Weights:
     projected = lt.projected_values
     out = lt.output
     out_l1 = out.abs().sum(-1)  # (B, I)
-    # D below the rounding error of the L1 sums is noise, not a contribution: when every
-    # head's D is such noise (say W_O = 0) normalising it would invent weights of 1/H
-    noise = out_l1 * (4 * math.sqrt(d) * torch.finfo(out.dtype).eps)
+    # a query whose every D is below the rounding error of the L1 sums gets no weights:
+    # such D are noise (say W_O = 0), and normalising them would invent weights of 1/H
+    noise = out_l1 * (4 * math.sqrt(d) * torch.finfo(out.dtype).eps)  # (B, I)
     result = torch.empty_like(lt.probs)
     keys = max(1, min(t, max_elements // max(1, b * d)))  # keys per block, one query and head
     queries = max(1, min(i, max_elements // max(1, b * h * keys * d)))
@@ -373,8 +373,9 @@ def distance(lt: LayerTensors, max_elements: int = 1 << 25) -> Weights:
                 weighted = alpha * projected[:, h0:h1, None, k0:k1]  # (B, h, q, k, d)
                 rest = (o_block - weighted).abs().sum(-1)
                 gain = out_l1[:, None, q0:q1, None] - rest
-                floor = noise[:, None, q0:q1, None]
-                result[:, h0:h1, q0:q1, k0:k1] = torch.where(gain > floor, gain, 0.0)
+                result[:, h0:h1, q0:q1, k0:k1] = gain.clamp_min(0)
     result = lt.masked_(result)
+    only_noise = result.amax(dim=(1, 3)) <= noise  # (B, I)
+    result = result.masked_fill_(only_noise[:, None, :, None], 0.0)
     total = result.sum(dim=(1, 3), keepdim=True)
     return safe_div(result, total)
