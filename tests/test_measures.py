@@ -129,6 +129,15 @@ def test_layer_tensors_match_reference(shape, data):
     check_against_reference(lt, raw, rtol=1e-9)
 
 
+def test_distance_of_rounding_noise_is_zero_not_uniform_over_heads():
+    # found by the property test above: with W_O = 0 every head's D is ~1 ulp of noise
+    # (‖o‖₁ and ‖o − 0‖₁ summed in different orders), and normalising it gave each head 1/H
+    shape = dict(seed=0, batch=1, kv_heads=3, group=1, keys=1, head_dim=1, dim=7, bias=True)
+    lt, raw = make_layer(queries=1, case="zero_w", **shape)
+    assert torch.equal(get_measure("distance").compute(lt), torch.zeros_like(lt.probs))
+    check_against_reference(lt, raw, rtol=1e-9)
+
+
 @settings(max_examples=30, deadline=None)
 @given(shape=layer_shapes)
 def test_layer_tensors_float32_close_to_reference(shape):
