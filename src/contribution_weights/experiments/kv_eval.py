@@ -29,7 +29,7 @@ from ..kv.methods import WINDOW
 from ..loading import LoadedModel
 from ..progress import bar
 from ..runs import RunFolder, fingerprint
-from .runner import RUN_INFO, earlier_seconds, versions
+from .runner import RUN_INFO, earlier_seconds, session_info
 
 TASKS = ("lm", "passkey")
 METRIC = {"lm": "nll", "passkey": "accuracy"}
@@ -255,9 +255,7 @@ def kv_eval(
     finally:
         progress_bar.close()
         if folder is not None:
-            info = {"versions": versions(), "finished": finished,
-                    "seconds": round(earlier + time.perf_counter() - started, 1),
-                    "items": len({r["item"] for r in rows})}  # fmt: skip
+            info = session_info(finished, earlier, started, items=len({r["item"] for r in rows}))
             with contextlib.suppress(OSError):  # an interruption is the error to report
                 folder.write_json(RUN_INFO, info)
     frame = pd.DataFrame(rows)

@@ -205,6 +205,13 @@ def run_experiment(
     return _run(experiment, RunFolder.existing(out, config), procs, progress, keep=True)
 
 
+def session_info(finished: bool, earlier: float, started: float, **extra: Any) -> dict[str, Any]:
+    """The fields every ``run_info.json`` starts with: versions, whether the run finished,
+    and its seconds (``earlier`` sessions' plus this one's since ``started``)."""
+    seconds = round(earlier + time.perf_counter() - started, 1)
+    return {"versions": versions(), "finished": finished, "seconds": seconds, **extra}
+
+
 def earlier_seconds(folder: RunFolder) -> float:
     """Seconds the earlier sessions of this run spent (their run_info.json), else 0."""
     path = folder.path / RUN_INFO
@@ -227,8 +234,7 @@ def _run(
     except BaseException:
         # an error while rendering the result must not replace the finished run_info
         if keep and procs.main and procs.world == 1 and not written:
-            info = {"versions": versions(), "finished": False,
-                    "seconds": round(earlier + time.perf_counter() - started, 1)}  # fmt: skip
+            info = session_info(False, earlier, started)
             with contextlib.suppress(OSError):  # the interruption is the error to report
                 folder.write_json(RUN_INFO, info)
         raise
@@ -285,14 +291,9 @@ def _run_phases(
         if phase.rows_file is not None:
             rows[phase.rows_file] = _complete(folder, phase)[0]
     skipped = sorted(_read_skipped(folder), key=lambda r: (r["phase"], r["unit"]))
-    run_info = {
-        "versions": versions(),
-        "finished": True,
-        "seconds": round(earlier + time.perf_counter() - started, 1),
-        "processes": procs.world,
-        "units": counts,
-        "skipped": skipped,
-    }
+    run_info = session_info(
+        True, earlier, started, processes=procs.world, units=counts, skipped=skipped
+    )
     if keep and procs.main:
         folder.write_json(RUN_INFO, run_info)
         written.append(True)
