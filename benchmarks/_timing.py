@@ -17,3 +17,21 @@ def median_seconds(fn: Callable[[], Any], repeats: int = 5) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def interleaved_medians(fns: dict[str, Callable[[], Any]], repeats: int = 5) -> dict[str, float]:
+    """Median wall time of each of ``fns``, timed in rounds (one call of each per round).
+
+    Each function gets one untimed warm-up call first. Interleaving the variants puts any
+    drift in the machine's load (other jobs, frequency changes) on all of them alike,
+    so their ratios stay meaningful where back-to-back blocks of repeats would not.
+    """
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}

@@ -4,7 +4,7 @@
 
 For each context length C, in the same process and on the same input (the first FineWeb-
 Edu item of C tokens, or a repeated text without the data), times the median of
-``--repeats`` runs of:
+``--repeats`` rounds (each round runs every variant once, so load drift hits all alike) of:
 
 * ``prefill``: the model's own forward with a cache (its default attention, sdpa);
 * ``capture``: the same forward on the capture path with no observer (eager recomputed);
@@ -25,7 +25,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from _timing import median_seconds  # benchmarks/_timing.py, beside this script
+from _timing import interleaved_medians  # benchmarks/_timing.py, beside this script
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -74,12 +74,10 @@ def main() -> int:
                 for stats in pre.stats.values():
                     cw.kv.kept_positions(spec.score(stats), 0.5)
 
-        t = {
-            "prefill": median_seconds(plain, args.repeats),
-            "capture": median_seconds(captured, args.repeats),
-            "scored": median_seconds(scored, args.repeats),
-            "methods": median_seconds(methods, args.repeats),
-        }
+        t = interleaved_medians(
+            {"prefill": plain, "capture": captured, "scored": scored, "methods": methods},
+            args.repeats,
+        )
         row = {
             "context": c,
             **{f"{k}_s": round(v, 4) for k, v in t.items()},
