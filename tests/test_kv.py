@@ -232,7 +232,14 @@ def test_kv_eval_runs_resumes_and_summarises(tmp_path: Any) -> None:
     pd.testing.assert_frame_equal(loaded.summary, first.summary, check_dtype=False)
     assert (tmp_path / "run" / "summary_depth.csv").exists()
     assert (tmp_path / "run" / "summary_paired.csv").exists()
-    assert len(first.plot().axes) == 1  # passkey: accuracy only
+    fig = first.plot()  # passkey: accuracy against ratio, and against depth at ratio 0.5
+    assert len(fig.axes) == 2 and fig.axes[1].get_xlabel().startswith("needle depth")
+    depths = sorted(first.per_item["depth"].unique())
+    lines = {c.get_label(): c for c in fig.axes[1].containers}
+    assert set(lines) == {"no compression", "contribution_sinks", "h2o"}
+    x, y = lines["h2o"].lines[0].get_data()
+    at_half = first.by_depth().query("method == 'h2o' and ratio == 0.5").sort_values("depth")
+    assert list(x) == depths and list(y) == list(at_half["accuracy_mean"])
     texts = ["abcdefghij" * 30, "klmnop" * 10, "qrstuvwxyz" * 20]
     lm = kv_eval(
         model, texts, options=KVEvalOptions(task="lm", methods="knorm", ratios=[0, 0.25],

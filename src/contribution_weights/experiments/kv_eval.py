@@ -125,8 +125,19 @@ class KVEvalResult:
         c = self.config
         n = int(self.summary["n"].max()) if not self.summary.empty else 0
         title = f"{c['model']} · {c['source']} · C={c['context_tokens']} · n={n}"
-        paired = self.paired() if c["task"] == "lm" else None
-        return plot_kv(self.summary, METRIC[c["task"]], path=path, title=title, paired=paired)
+        if c["task"] != "passkey":
+            paired = self.paired()
+            return plot_kv(self.summary, METRIC[c["task"]], path=path, title=title, paired=paired)
+        ratios = sorted(r for r in self.summary["ratio"].unique() if r > 0)
+        depth_ratio = (0.5 if 0.5 in ratios else ratios[0]) if ratios else None
+        return plot_kv(
+            self.summary,
+            METRIC[c["task"]],
+            path=path,
+            title=title,
+            by_depth=self.by_depth() if depth_ratio is not None else None,
+            depth_ratio=depth_ratio,
+        )
 
 
 def summarise(per_item: pd.DataFrame, task: str, by: Sequence[str] = ()) -> pd.DataFrame:

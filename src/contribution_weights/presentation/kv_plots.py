@@ -1,4 +1,6 @@
-"""Figures of ``cw kv-eval``: the task's metric against compression ratio, a line per method.
+"""Figures of ``cw kv-eval``: the task's metric against compression ratio, a line per method,
+with the paired differences (language modelling) or the accuracy per needle depth (passkey)
+beside it.
 
 Inputs are the summary DataFrames the experiment writes (``summary.csv``), never models.
 The ratio-0 point (no compression, method ``none``) starts every method's line.
@@ -27,6 +29,8 @@ def plot_kv(
     path: str | Path | None = None,
     title: str | None = None,
     paired: pd.DataFrame | None = None,
+    by_depth: pd.DataFrame | None = None,
+    depth_ratio: float | None = None,
 ) -> Any:
     """``metric`` against ratio (± 1 s.e. error bars); contribution methods drawn bold.
 
@@ -34,12 +38,20 @@ def plot_kv(
     its own uncompressed score, see ``KVEvalResult.paired``) adds a second panel on a
     symmetric-log axis: the raw means overlap within their error bars, which are mostly
     how hard each text is, while the paired differences separate the methods.
+
+    ``by_depth`` (the passkey summary per needle depth, ``KVEvalResult.by_depth``) adds a
+    panel of accuracy against the needle's depth at ``depth_ratio``, with the uncompressed
+    model's accuracy in black: which part of the context each method forgets.
     """
-    panels = 2 if paired is not None else 1
+    extra = [f for f in (paired, by_depth) if f is not None]
+    panels = 1 + len(extra)
     fig, axes = plt.subplots(1, panels, figsize=(7.5 * panels, 4.5), squeeze=False)
     ax = axes[0, 0]
     _lines(ax, summary, f"{metric}_mean", f"{metric}_se")
     ax.set_ylabel(LABEL.get(metric, metric))
+    for a in axes[0]:
+        a.set_xlabel("compression ratio (fraction of cache entries evicted)")
+        a.grid(alpha=0.3)
     if paired is not None:
         right = axes[0, 1]
         _lines(right, paired, "delta_mean", "delta_se")
@@ -47,22 +59,36 @@ def plot_kv(
         right.axhline(0, color="black", linewidth=0.6)
         right.set_ylabel(f"Δ{metric.upper() if metric == 'nll' else metric} against no "
                          "compression, paired (symlog)")  # fmt: skip
-    for a in axes[0]:
-        a.set_xlabel("compression ratio (fraction of cache entries evicted)")
-        a.grid(alpha=0.3)
+    if by_depth is not None:
+        if depth_ratio is None:
+            raise ValueError("by_depth needs depth_ratio: the compression ratio to show")
+        right = axes[0, -1]
+        at = by_depth[by_depth["ratio"].isin([0.0, depth_ratio])]
+        _lines(right, at, f"{metric}_mean", f"{metric}_se", x="depth")
+        right.set_xlabel("needle depth (fraction of the context before it)")
+        right.set_ylabel(f"{LABEL.get(metric, metric)} at ratio {depth_ratio:g}")
+        none = [c for c in right.containers if c.get_label() == "no compression"]
+        right.legend(handles=none, fontsize=7, frameon=False)  # the methods: left legend
     ax.legend(fontsize=7, ncol=2, frameon=False)
     return finish(fig, path, title, dpi=130, fontsize=10)
 
 
-def _lines(ax: Any, frame: pd.DataFrame, mean: str, se: str) -> None:
-    """A line per method from the ratio-0 point (method ``none``) on."""
+def _lines(ax: Any, frame: pd.DataFrame, mean: str, se: str, x: str = "ratio") -> None:
+    """A line per method against ``x``. Against ratio every line starts at the ratio-0
+    point (method ``none``); against anything else ``none`` is a line of its own, in black."""
     base = frame[frame["method"] == "none"]
     methods = [m for m in dict.fromkeys(frame["method"]) if m != "none"]
+    if x != "ratio" and not base.empty:
+        g = base.sort_values(x)
+        ax.errorbar(g[x].to_numpy(float), g[mean].to_numpy(float),
+                    yerr=g[se].fillna(0).to_numpy(float), label="no compression",
+                    color="black", linewidth=1.6, marker="s", capsize=2)  # fmt: skip
     for i, method in enumerate(methods):
-        g = pd.concat([base, frame[frame["method"] == method]]).sort_values("ratio")
+        g = frame[frame["method"] == method]
+        g = (pd.concat([base, g]) if x == "ratio" else g).sort_values(x)
         ours = method in OURS
         ax.errorbar(
-            g["ratio"].to_numpy(float),
+            g[x].to_numpy(float),
             g[mean].to_numpy(float),
             yerr=g[se].fillna(0).to_numpy(float),
             label=method,
