@@ -16,6 +16,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
+from .figures import finish
+
 MEASURE_STYLE = {
     "attention": ("tab:blue", "o"),
     "vw": ("tab:orange", "s"),
@@ -28,20 +30,6 @@ LOG_RANGE = 20.0  # use a log y axis when the positive values span more than thi
 
 def _style(measure: str, i: int) -> tuple[str, str]:
     return MEASURE_STYLE.get(measure, (f"C{(i + 5) % 10}", "x"))
-
-
-def finish(
-    fig: Any, path: str | Path | None, title: str | None, *, dpi: int = 110, fontsize: int = 11
-) -> Any:
-    """Title, layout, and saving (then closing) when a path is given; returns ``fig``.
-    Shared by the experiment figures (faithfulness, downstream, kv-eval)."""
-    if title:
-        fig.suptitle(title, fontsize=fontsize)
-    fig.tight_layout()
-    if path is not None:
-        fig.savefig(path, dpi=dpi)
-        plt.close(fig)
-    return fig
 
 
 def wants_log_scale(values: np.ndarray) -> bool:

@@ -41,6 +41,20 @@ def save(fig: Figure, path: str | Path, dpi: int = 130) -> Path:
     return path
 
 
+def finish(
+    fig: Any, path: str | Path | None, title: str | None, *, dpi: int = 110, fontsize: int = 11
+) -> Any:
+    """Title, layout, and saving (then closing) when a path is given; returns ``fig``.
+    Shared by the experiment figures (faithfulness, downstream, kv-eval)."""
+    if title:
+        fig.suptitle(title, fontsize=fontsize)
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=dpi)
+        plt.close(fig)
+    return fig
+
+
 def sink_heads(trace: Trace, count: int = 3) -> list[tuple[int, int]]:
     """(layer, head) pairs where attention and contribution disagree most on token 0.
 

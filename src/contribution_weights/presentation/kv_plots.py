@@ -17,7 +17,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from .faithfulness_plots import finish
+from .figures import finish
 
 OURS = ("contribution", "contribution_sinks")
 LABEL = {"nll": "NLL of the next 128 tokens (lower is better)", "accuracy": "passkey accuracy"}
