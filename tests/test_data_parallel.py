@@ -130,3 +130,23 @@ def test_two_process_geometry_gives_the_one_process_tables(setup):
     for name in ("sink_scaling.csv", "config.json"):
         assert (root / "g2" / name).read_text() == (root / "g1" / name).read_text(), name
     assert not (root / "g2" / "parts").exists()
+
+
+def test_two_process_kv_eval_gives_the_one_process_rows(setup):
+    """kv-eval runs on the same runner: items dealt over two processes give the rows and
+    summaries of one process (all but the prefill's wall time)."""
+    import pandas as pd
+
+    root, model = setup
+    args = ["kv-eval", "--task", "passkey", "--model", str(model), "--n", "3",
+            "--context-tokens", "256", "--methods", "h2o,contribution_sinks",
+            "--ratios", "0,0.5"]  # fmt: skip
+    assert main([*args, "--out", str(root / "k1")]) == 0
+    launch([*args, "--out", str(root / "k2")])
+    one, two = (pd.read_csv(root / k / "per_item.csv") for k in ("k1", "k2"))
+    one, two = one.drop(columns="prefill_s"), two.drop(columns="prefill_s")  # wall time
+    assert len(one) == 9 and one["item"].nunique() == 3
+    pd.testing.assert_frame_equal(two, one)
+    for name in ("summary.csv", "summary_depth.csv", "summary_paired.csv", "config.json"):
+        assert (root / "k2" / name).read_text() == (root / "k1" / name).read_text(), name
+    assert not (root / "k2" / "parts").exists()

@@ -221,7 +221,7 @@ def test_kv_eval_runs_resumes_and_summarises(tmp_path: Any) -> None:
     assert (first.summary["n"] == 3).all()
     info_path = tmp_path / "run" / "run_info.json"
     info = json.loads(info_path.read_text())
-    assert info["finished"] is True and info["items"] == 3 and info["seconds"] >= 0
+    assert info["finished"] is True and info["units"] == {"kv-eval": 3} and info["seconds"] >= 0
     info["seconds"] = 1000.0  # as if the first session had run that long
     info_path.write_text(json.dumps(info))
     again = kv_eval(model, options=opts, out=tmp_path / "run", resume=True, progress=False)
@@ -283,7 +283,8 @@ def test_an_interrupted_kv_eval_keeps_its_items_and_says_it_did_not_finish(
     with pytest.raises(KeyboardInterrupt):
         kv_module.kv_eval(model, options=opts, out=tmp_path / "run", progress=False)
     info = json.loads((tmp_path / "run" / "run_info.json").read_text())
-    assert info["finished"] is False and info["items"] == 1
+    assert info["finished"] is False
+    assert set(kv_module.KVEvalResult.load(tmp_path / "run").per_item["item"]) == {0}
     monkeypatch.setattr(kv_module, "item_rows", real)
     done = kv_module.kv_eval(model, options=opts, out=tmp_path / "run", resume=True, progress=False)
     assert done.per_item["item"].nunique() == 3

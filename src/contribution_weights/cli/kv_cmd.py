@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..experiments.kv_eval import DEFAULT_RATIOS, TASKS
 from ..kv.methods import method_names
-from .common import add_model_arguments, parse_floats, positive_int
+from .common import add_model_arguments, model_device, parse_floats, positive_int
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -51,6 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from .. import data
     from ..experiments.kv_eval import METRIC, KVEvalOptions, kv_eval
+    from ..experiments.runner import processes
     from ..loading import load_model
 
     task = args.task or "lm"
@@ -70,8 +71,10 @@ def run(args: argparse.Namespace) -> int:
         n=args.n,
         seed=args.seed,
     ).check()  # bad options fail before the model loads
-    model = load_model(args.model, dtype=args.dtype, device=args.device)
+    model = load_model(args.model, dtype=args.dtype, device=model_device(args))
     result = kv_eval(model, texts, options=options, out=args.out, resume=args.resume, source=source)
+    if not processes().main:
+        return 0
     print(result.summary.to_string(index=False, float_format=lambda x: f"{x:.4g}"))
     n_done = int(result.summary["n"].max()) if not result.summary.empty else 0
     if task == "lm" and n_done < options.n:

@@ -3,18 +3,18 @@
 Per item, one scored prefill (:func:`~contribution_weights.kv.prefill`) serves every
 method and ratio; each (method, ratio) is a copy of the cache compressed and evaluated by
 the task (:mod:`contribution_weights.kv.evaluate`). Ratio 0 (no compression) is evaluated
-once per item, under the method name ``none``. Rows are appended to ``per_item.csv`` as
-each item finishes, so an interrupted run resumes where it stopped (a
-:class:`~contribution_weights.runs.RunFolder`, as the faithfulness experiment), and
-``run_info.json`` (versions, ``finished``, ``seconds`` added up over resumed sessions) is
-written when a session ends, finished or interrupted.
+once per item, under the method name ``none``. An item is one unit of the experiment
+runner (:mod:`.runner`): its rows are appended to ``per_item.csv`` as it finishes, so an
+interrupted run resumes where it stopped, ``run_info.json`` (versions, ``finished``,
+``seconds`` added up over resumed sessions) is written when a session ends, and under
+``accelerate launch`` the items are dealt over the processes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,9 +27,8 @@ from ..kv.cache import check_ratio
 from ..kv.evaluate import lm_item, lm_items, lm_score, passkey_items, passkey_score
 from ..kv.methods import WINDOW
 from ..loading import LoadedModel
-from ..progress import bar
-from ..runs import RunFolder, fingerprint
-from .runner import RUN_INFO, earlier_seconds, session_info
+from ..runs import fingerprint
+from .runner import Experiment, Phase, run_experiment
 
 TASKS = ("lm", "passkey")
 METRIC = {"lm": "nll", "passkey": "accuracy"}
@@ -110,8 +109,13 @@ class KVEvalResult:
         complete = rows_per_item[rows_per_item == rows_per_item.max()].index
         return cls(per_item[per_item["item"].isin(complete)].reset_index(drop=True), config)
 
+    def write_summary(self, folder: str | Path) -> None:
+        """The runner's hook at the end of a run: the summaries into the run folder."""
+        self.save(folder)
+
     def save(self, folder: str | Path) -> Path:
-        """Write ``summary.csv`` (and ``summary_depth.csv`` for passkey) into ``folder``."""
+        """Write ``summary.csv``, ``summary_paired.csv`` (and ``summary_depth.csv`` for
+        passkey) into ``folder``."""
         folder = Path(folder)
         self.summary.to_csv(folder / SUMMARY, index=False)
         self.paired().to_csv(folder / SUMMARY_PAIRED, index=False)
@@ -214,6 +218,70 @@ def item_rows(model: LoadedModel, item: Any, opts: KVEvalOptions) -> list[dict[s
     return rows
 
 
+class KVEval(Experiment["KVEvalResult"]):
+    """The kv-eval experiment for the runner: one unit per item (prefill once, then every
+    (method, ratio) configuration), its rows to ``per_item.csv``."""
+
+    name = "kv-eval"
+
+    def __init__(
+        self,
+        model: LoadedModel,
+        texts: Sequence[str] | None,
+        opts: KVEvalOptions,
+        source: str | None = None,
+    ) -> None:
+        self.model, self.opts = model, opts
+        self.items = list(_items(model, opts, texts))  # at most n items: tokens only
+        options = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(opts).items()}
+        self._config = {
+            "experiment": "kv-eval",
+            "model": model.name,
+            **options,
+            "texts_sha256": fingerprint(texts or []),
+            "source": source or opts.task,
+        }
+
+    def config(self) -> dict[str, Any]:
+        return self._config
+
+    def phases(self) -> Iterator[Phase]:
+        yield Phase(
+            name="kv-eval",
+            units=range(len(self.items)),
+            run=self._item,
+            rows_file=PER_ITEM,
+            key="item",
+            rows_per_unit=len(self.opts.configurations()),
+        )
+
+    def _item(self, i: int) -> list[dict[str, Any]]:
+        rows = item_rows(self.model, self.items[i], self.opts)
+        return [{"item": i, "task": self.opts.task, **r} for r in rows]
+
+    def result(
+        self, rows: Mapping[str, list[dict[str, str]]], run_info: dict[str, Any]
+    ) -> KVEvalResult:
+        config = {
+            **self._config,
+            "items_available": len(self.items),
+            "seconds": run_info["seconds"],
+        }
+        return KVEvalResult(_typed(pd.DataFrame(rows.get(PER_ITEM, []))), config)
+
+
+def _typed(frame: pd.DataFrame) -> pd.DataFrame:
+    """Rows as read back from the CSV (strings) with numeric columns as numbers, in item
+    order; the same types :meth:`KVEvalResult.load` gets from ``pd.read_csv``."""
+    for col in frame.columns:
+        with contextlib.suppress(ValueError, TypeError):
+            frame[col] = pd.to_numeric(frame[col])
+    if frame.empty:
+        return frame
+    frame["ratio"] = frame["ratio"].astype(float)
+    return frame.sort_values(["item"], kind="stable").reset_index(drop=True)
+
+
 def kv_eval(
     model: LoadedModel,
     texts: Sequence[str] | None = None,
@@ -228,62 +296,11 @@ def kv_eval(
 
     ``texts`` (for the ``lm`` task) are running texts; consecutive ones are joined until
     an item has ``context_tokens + 129`` tokens. The ``passkey`` task needs no texts.
+    Resumable in ``out`` and data parallel under ``accelerate launch``, like every
+    experiment of the runner.
     """
     opts = (options or KVEvalOptions()).check()
     if opts.task == "lm" and not texts:
         raise ValueError("the lm task needs texts: pass --dataset or --texts")
-    config = {
-        "experiment": "kv-eval",
-        "model": model.name,
-        **{k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in asdict(opts).items()},
-        "texts_sha256": fingerprint(texts or []),
-        "source": source or opts.task,
-    }
-    folder = RunFolder(out, config, resume=resume) if out is not None else None
-    size = len(opts.configurations())
-    rows: list[dict[str, Any]] = []
-    done: set[int] = set()
-    if folder is not None:
-        kept, keys = folder.complete_rows(PER_ITEM, "item", size)
-        rows, done = list(kept), {int(k) for k in keys}
-    progress_bar = bar(total=opts.n, initial=len(done), desc="kv-eval", unit="item",
-                       disable=not progress)  # fmt: skip
-    made = 0
-    started = time.perf_counter()
-    earlier = earlier_seconds(folder) if folder is not None else 0.0
-    finished = False
-    try:
-        for i, item in enumerate(_items(model, opts, texts)):
-            made += 1
-            if i in done:
-                continue
-            item_out = [{"item": i, "task": opts.task, **r} for r in item_rows(model, item, opts)]
-            if folder is not None:
-                folder.append_rows(PER_ITEM, item_out)
-            rows.extend(item_out)
-            progress_bar.update(1)
-        finished = True
-    finally:
-        progress_bar.close()
-        if folder is not None:
-            info = session_info(finished, earlier, started, items=len({r["item"] for r in rows}))
-            with contextlib.suppress(OSError):  # an interruption is the error to report
-                folder.write_json(RUN_INFO, info)
-    frame = pd.DataFrame(rows)
-    if not frame.empty:
-        frame["item"] = frame["item"].astype(int)
-        frame["ratio"] = frame["ratio"].astype(float)
-        metric = METRIC[opts.task]
-        frame[metric] = frame[metric].astype(float)
-        if "depth" in frame:
-            frame["depth"] = frame["depth"].astype(float)
-        frame = frame.sort_values(["item"], kind="stable").reset_index(drop=True)
-    config["items_available"] = made
-    config["seconds"] = round(earlier + time.perf_counter() - started, 1)
-    result = KVEvalResult(frame, config)
-    if folder is not None:
-        folder.write_bytes(SUMMARY, result.summary.to_csv(index=False).encode())
-        folder.write_bytes(SUMMARY_PAIRED, result.paired().to_csv(index=False).encode())
-        if opts.task == "passkey":
-            folder.write_bytes(SUMMARY_DEPTH, result.by_depth().to_csv(index=False).encode())
-    return result
+    experiment = KVEval(model, texts, opts, source)
+    return run_experiment(experiment, out, resume=resume, progress=progress)
