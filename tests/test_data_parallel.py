@@ -135,6 +135,8 @@ def test_two_process_geometry_gives_the_one_process_tables(setup):
 def test_two_process_kv_eval_gives_the_one_process_rows(setup):
     """kv-eval runs on the same runner: items dealt over two processes give the rows and
     summaries of one process (all but the prefill's wall time)."""
+    import json
+
     import pandas as pd
 
     root, model = setup
@@ -150,3 +152,5 @@ def test_two_process_kv_eval_gives_the_one_process_rows(setup):
     for name in ("summary.csv", "summary_depth.csv", "summary_paired.csv", "config.json"):
         assert (root / "k2" / name).read_text() == (root / "k1" / name).read_text(), name
     assert not (root / "k2" / "parts").exists()
+    info = json.loads((root / "k2" / "run_info.json").read_text())
+    assert info["processes"] == 2 and info["units"] == {"kv-eval": 3} and info["finished"]

@@ -1,4 +1,4 @@
-"""Resumable run folders for long experiments (faithfulness, geometry, downstream).
+"""Resumable run folders for long experiments (faithfulness, geometry, downstream, kv-eval).
 
 A run folder holds ``config.json`` (what was asked) and append-only CSV/JSONL files of
 finished units of work. Each finished unit is appended in one write followed by

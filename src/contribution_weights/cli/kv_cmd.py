@@ -7,7 +7,13 @@ from pathlib import Path
 
 from ..experiments.kv_eval import DEFAULT_RATIOS, TASKS
 from ..kv.methods import method_names
-from .common import add_model_arguments, model_device, parse_floats, positive_int
+from .common import (
+    add_model_arguments,
+    check_out_dir,
+    model_device,
+    parse_floats,
+    positive_int,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -54,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
     from ..experiments.runner import processes
     from ..loading import load_model
 
+    check_out_dir(args.out)  # before the data and the model load
     task = args.task or "lm"
     texts, source = None, task
     if task == "lm":
@@ -82,7 +89,9 @@ def run(args: argparse.Namespace) -> int:
             f"only {n_done} of {options.n} items: the texts ran out (each needs "
             f"{options.context_tokens + 129} tokens)"
         )
-    written = "per_item.csv, summary.csv, summary_paired.csv"
+    written = "config.json, per_item.csv, summary.csv, summary_paired.csv, run_info.json"
+    if task == "passkey":
+        written += ", summary_depth.csv"
     if not result.summary.empty:
         result.plot(args.out / f"kv-{METRIC[task]}.png")
         written += f", kv-{METRIC[task]}.png"
