@@ -10,13 +10,7 @@ from typing import Any
 
 def median_seconds(fn: Callable[[], Any], repeats: int = 5) -> float:
     """Median wall time of ``repeats`` calls of ``fn``, after one untimed warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return interleaved_medians({"fn": fn}, repeats)["fn"]
 
 
 def interleaved_medians(fns: dict[str, Callable[[], Any]], repeats: int = 5) -> dict[str, float]:
