@@ -77,7 +77,7 @@ def test_register_family_makes_a_new_model_type_work():
         got = cw.trace(loaded, IDS, measures="contribution")
         assert torch.equal(got["contribution"], expected["contribution"])
     finally:
-        families._FAMILIES.pop(name, None)
+        families.FAMILIES.unregister(name)
     assert name not in cw.supported_families()
 
 

@@ -309,7 +309,7 @@ def test_a_new_analysis_is_one_registered_class(tmp_path):
         assert all(v > 0 for v in tables["value_norm"])
         assert [p.name for p in write_figures(res, tmp_path)] == ["geometry-value_norm.png"]
         assert "## Mean value norm" in write_markdown(res, tmp_path / "tables.md", "tiny")
-        with pytest.raises(ValueError, match=r"valid: .*value_norm"):
+        with pytest.raises(ValueError, match=r"valid analyses: .*value_norm"):
             geometry_run.resolve_analyses("nope")
     finally:
-        gr._REGISTRY.pop("value_norm")
+        gr.ANALYSES_REGISTRY.unregister("value_norm")

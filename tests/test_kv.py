@@ -197,7 +197,7 @@ def test_bad_ratio_is_a_clear_error(ratio: Any) -> None:
 def test_bad_method_is_a_clear_error() -> None:
     model = tiny_model("llama")
     pre = kv.prefill(model, _ids(T, seed=9), window=WINDOW)
-    with pytest.raises(ValueError, match=r"unknown KV-cache method 'nope'; valid methods: .*h2o"):
+    with pytest.raises(ValueError, match=r"unknown KV-cache method 'nope'; valid KV-cache methods: .*h2o"):
         kv.compress(pre, "nope", 0.5)
     with pytest.raises(ValueError, match="unknown KV-cache method"):
         kv.resolve_methods("h2o,nope")

@@ -10,6 +10,7 @@ import contribution_weights
 
 PACKAGE = Path(contribution_weights.__file__).parent
 LAYERS = [
+    {"registry"},
     {"families", "measures", "progress", "runs", "data", "storage"},
     {"capture", "loading", "results"},
     {"interventions", "inputs", "kv"},

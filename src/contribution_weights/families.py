@@ -22,6 +22,8 @@ from typing import Literal
 import torch
 from torch import nn
 
+from .registry import Registry
+
 
 class UnsupportedModelError(ValueError):
     """The model's architecture has no :class:`FamilySpec`."""
@@ -81,13 +83,14 @@ class FamilySpec:
         return obj
 
 
-_FAMILIES: dict[str, FamilySpec] = {}
+FAMILIES: Registry[FamilySpec] = Registry(
+    "model family", key=lambda spec: spec.model_type, plural="model families"
+)
 
 
 def register_family(spec: FamilySpec) -> FamilySpec:
     """Add (or replace) the description of a model family."""
-    _FAMILIES[spec.model_type] = spec
-    return spec
+    return FAMILIES.register(spec)
 
 
 for _spec in (
@@ -119,14 +122,14 @@ for _spec in (
 
 
 def supported_families() -> list[str]:
-    return sorted(_FAMILIES)
+    return sorted(FAMILIES.names())
 
 
 def family_for(config: object) -> FamilySpec:
     """The spec for a transformers config, or a clear error naming what is missing."""
     model_type = getattr(config, "model_type", None)
-    if model_type in _FAMILIES:
-        return _FAMILIES[model_type]
+    if isinstance(model_type, str) and model_type in FAMILIES:
+        return FAMILIES.get(model_type)
     raise UnsupportedModelError(
         f"architecture {model_type!r} is not supported. Supported model types: "
         f"{', '.join(supported_families())}. To add it, call "

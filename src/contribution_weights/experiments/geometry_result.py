@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ..registry import Registry
 from ..runs import RunFolder, upgraded_config
 from .options import Options, as_floats, option
 from .regression import regression_tables
@@ -375,43 +376,26 @@ class Analysis:
         return self.json_keys or (self.name,)
 
 
-_REGISTRY: dict[str, Analysis] = {}
+ANALYSES_REGISTRY: Registry[Analysis] = Registry("analysis", plural="analyses")
 
 
 def register_analysis(analysis: Analysis) -> Analysis:
     """Add (or replace) an analysis by its name; returns it."""
-    if not analysis.name:
-        raise ValueError("an analysis needs a name")
-    _REGISTRY[analysis.name] = analysis
-    return analysis
+    return ANALYSES_REGISTRY.register(analysis)
 
 
 def get_analysis(name: str) -> Analysis:
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown analysis {name!r}; valid: {', '.join(_REGISTRY)}") from None
+    return ANALYSES_REGISTRY.get(name)
 
 
 def analysis_names() -> list[str]:
     """Every registered analysis, built-in ones first, in order."""
-    return list(_REGISTRY)
+    return ANALYSES_REGISTRY.names()
 
 
 def resolve_analyses(only: str | Iterable[str] | None) -> list[str]:
     """``None`` (all), a comma-separated string, or names (or aliases) of registered analyses."""
-    if only is None:
-        return analysis_names()
-    names = [n.strip() for n in only.split(",")] if isinstance(only, str) else list(only)
-    aliases = {alias: a.name for a in _REGISTRY.values() for alias in a.aliases}
-    out: list[str] = []
-    for name in filter(None, names):
-        name = get_analysis(aliases.get(name, name)).name
-        if name not in out:
-            out.append(name)
-    if not out:
-        raise ValueError(f"no analysis named; valid: {', '.join(_REGISTRY)}")
-    return out
+    return ANALYSES_REGISTRY.resolve(only)
 
 
 def make_stats(

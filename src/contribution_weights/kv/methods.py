@@ -50,6 +50,8 @@ from jaxtyping import Float
 from torch import Tensor
 from torch.nn import functional as F
 
+from ..registry import Registry
+
 N_SINK = 4
 WINDOW = 64
 KERNEL = 5
@@ -106,42 +108,25 @@ class Method:
     description: str
 
 
-_METHODS: dict[str, Method] = {}
+METHODS: Registry[Method] = Registry("KV-cache method")
 
 
 def register_method(method: Method) -> Method:
     """Add (or replace) a method; ``cw kv-eval`` and :func:`~.compress` find it by name."""
-    _METHODS[method.name] = method
-    return method
+    return METHODS.register(method)
 
 
 def get_method(name: str) -> Method:
-    try:
-        return _METHODS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown KV-cache method {name!r}; valid methods: {', '.join(method_names())}"
-        ) from None
+    return METHODS.get(name)
 
 
 def method_names() -> list[str]:
-    return list(_METHODS)
+    return METHODS.names()
 
 
 def resolve_methods(methods: str | Iterable[str] | None) -> list[str]:
     """``"all"``, one name, ``"a,b"`` or a list: checked and deduplicated."""
-    if methods is None or methods == "all":
-        return method_names()
-    if isinstance(methods, str):
-        methods = [m.strip() for m in methods.split(",") if m.strip()]
-    names: list[str] = []
-    for name in methods:
-        get_method(name)
-        if name not in names:
-            names.append(name)
-    if not names:
-        raise ValueError(f"no method named; valid methods: {', '.join(method_names())}")
-    return names
+    return METHODS.resolve(methods)
 
 
 # ---- helpers -----------------------------------------------------------------------------
