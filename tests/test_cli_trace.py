@@ -88,6 +88,22 @@ def test_truncate_keeps_first_tokens(tiny_folder, tmp_path):
     assert cw.Trace.load(out).num_tokens == 3
 
 
+def test_wrote_line_names_every_file_in_the_folder(tiny_folder, tmp_path, capsys):
+    """The "wrote …" line is read from the folder: reductions.safetensors was missing from
+    a hand-kept list. A second trace into the folder lists only its own files."""
+    out = tmp_path / "run"
+    args = ["trace", "--text", "abcdefgh", "--model", str(tiny_folder), "--out", str(out)]
+    for extra in ([], ["--no-maps"], ["--no-figures"]):
+        assert main(args + extra) == 0, extra
+        line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("wrote ")]
+        assert len(line) == 1 and line[0].endswith(f" to {out}"), line
+        listed = line[0].removeprefix("wrote ").removesuffix(f" to {out}").split(", ")
+        on_disk = [p.name + ("/" if p.is_dir() else "") for p in out.iterdir()]
+        assert sorted(listed) == sorted(on_disk), extra
+        assert "reductions.safetensors" in listed
+        assert ("maps/" in listed) == ("--no-maps" not in extra)
+
+
 def test_missing_model_and_empty_text(tmp_path, capsys):
     assert main(["trace", "--text", "hi", "--model", str(tmp_path / "nope"), "--out", "x"]) == 2
     assert "not found" in capsys.readouterr().err

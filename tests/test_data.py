@@ -4,6 +4,7 @@ files, and the offline error."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -145,3 +146,105 @@ def test_a_malformed_record_names_the_file_the_record_and_the_field(tmp_path):
     csv_file.write_text("question,choice0,choice1,choice2,choice3,answer\nq,a,b,c,d,two\n")
     with pytest.raises(DataError, match=rf"{csv_file}:2: bad value"):
         data.load_task("mmlu", None, tmp_path)
+
+
+# ---- each command's no-data message names only that command's options -------------------
+def _options_of(command: str) -> set[str]:
+    import argparse
+
+    from contribution_weights.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return set(sub.choices[command]._option_string_actions)
+
+
+@pytest.mark.parametrize(
+    ("argv", "own"),
+    [
+        (["faithfulness", "--dataset", "gsm8k"], ["--texts", "--file"]),
+        (["geometry", "--dataset", "fineweb-edu"], ["--texts", "--file"]),
+        (["kv-eval", "--dataset", "gsm8k"], ["--texts", "--task"]),
+        (["downstream", "--task", "boolq"], ["--items"]),
+    ],
+)
+def test_no_data_message_suggests_only_options_the_command_accepts(
+    argv, own, tmp_path, monkeypatch, capsys
+):
+    import re
+
+    from contribution_weights.cli import main
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.delenv("CW_DATA_DIR", raising=False)
+    monkeypatch.setattr(
+        "contribution_weights.loading.load_model", lambda *a, **k: pytest.fail("loaded a model")
+    )
+    assert main([*argv, "--data-dir", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "no " in err and "data found" in err and "--data-dir DIR" in err
+    named = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", err))
+    assert named <= _options_of(argv[0]), f"{named - _options_of(argv[0])} in: {err}"
+    assert set(own) <= named
+
+
+def test_the_api_message_names_the_api():
+    err = data.MissingDataError("mmlu", Path("D") / "mmlu", "")
+    assert "read_items(path, task)" in str(err) and "data_dir=" in str(err)
+    assert "read_texts(path)" in str(data.MissingDataError("gsm8k", Path("x"), ""))
+    import pickle
+
+    assert str(pickle.loads(pickle.dumps(err))) == str(err)
+
+
+# ---- the user's own task items -------------------------------------------------------------
+def test_own_items_in_each_task_format_read_as_the_data_folder_does(fixture_data, tmp_path):
+    for task, file in [("winogrande", "winogrande/dev.jsonl"), ("boolq", "boolq/val.jsonl")]:
+        assert data.read_items(fixture_data / file, task) == data.load_task(
+            task, None, fixture_data
+        )
+    mmlu = data.load_task("mmlu", None, fixture_data)
+    rows = []
+    for name, per_subject in [("astronomy", [0, 2]), ("world_history", [1])]:
+        for k in per_subject:
+            item = mmlu[k]
+            question = item.prompt.split("\n\n", 1)[1].split("\nA. ")[0]
+            choices = [line[3:] for line in item.prompt.splitlines()[-5:-1]]
+            rows.append({"subject": name, "question": question, "choices": choices,
+                         "answer": item.answer})  # fmt: skip
+    own = tmp_path / "mmlu.jsonl"
+    own.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert data.read_items(own, "mmlu") == [mmlu[0], mmlu[2], mmlu[1]]
+    assert data.read_items(own, "mmlu", n=1) == [mmlu[0]]
+
+
+def test_own_items_in_their_own_words(tmp_path):
+    f = tmp_path / "items.jsonl"
+    f.write_text(json.dumps({"prompt": "2 + 2 =", "options": [" 3", " 4", " 5"], "answer": 1}))
+    assert data.read_items(f, "mmlu") == [ChoiceItem("2 + 2 =", [" 3", " 4", " 5"], 1)]
+    f.write_text(json.dumps({"prompt": "p", "options": [" a", " b"], "answer": 2}))
+    with pytest.raises(DataError, match=rf"{f}:1: .*'answer' 2 is not an index of the 2"):
+        data.read_items(f, "boolq")
+
+
+def test_own_items_missing_a_field_name_it_the_line_and_the_fields_expected(tmp_path):
+    f = tmp_path / "items.jsonl"
+    good = {"sentence": "The cup fell because _ was full.", "option1": "it", "option2": "he",
+            "answer": "1"}  # fmt: skip
+    bad = {k: v for k, v in good.items() if k != "option2"}
+    f.write_text(json.dumps(good) + "\n\n" + json.dumps(bad) + "\n")
+    with pytest.raises(DataError) as err:
+        data.read_items(f, "winogrande")
+    msg = str(err.value)
+    assert f"{f}:3: the item has no field 'option2'" in msg
+    assert "needs the fields sentence, option1, option2, answer" in msg
+    assert "prompt, options, answer" in msg
+    f.write_text(json.dumps({"question": "q", "choices": ["a", "b"], "answer": 0}) + "\n")
+    with pytest.raises(DataError, match="list of 4 choices"):
+        data.read_items(f, "mmlu")
+    f.write_text(json.dumps({"question": "is it", "passage": "p", "answer": True}) + "\n")
+    assert data.read_items(f, "boolq")[0].answer == 1  # BoolQ's label may be named answer
+    with pytest.raises(DataError, match="does not exist"):
+        data.read_items(tmp_path / "none.jsonl", "boolq")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(DataError, match="holds no items"):
+        data.read_items(tmp_path / "empty.jsonl", "boolq")

@@ -256,3 +256,43 @@ def test_intervals_hold_the_estimate_at_zero_and_full_accuracy_and_plot():
     summary = summarise(per_item_frame(rows), "toy")
     assert summary.accuracy.tolist() == [1.0, 0.0]
     plot_downstream(summary)  # error bars are never negative
+
+
+def test_cli_downstream_reads_the_users_own_items(tmp_path, monkeypatch, capsys):
+    import json
+
+    from contribution_weights.cli import main
+    from contribution_weights.data import read_items
+    from contribution_weights.experiments.downstream import DownstreamResult
+    from contribution_weights.runs import fingerprint
+
+    lm = tiny_model("llama")
+    monkeypatch.setattr("contribution_weights.loading.load_model", lambda *a, **k: lm)
+    rows = [
+        {"sentence": "The cup fell because _ was full.", "option1": "it", "option2": "he",
+         "answer": "1"},
+        {"prompt": "Two and two make", "options": [" three", " four"], "answer": 1},
+        {"sentence": "Ann thanked Bo because _ had helped.", "option1": "Ann", "option2": "Bo",
+         "answer": "2"},
+    ]  # fmt: skip
+    f = tmp_path / "mine.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "o"
+    rc = main(["downstream", "--task", "winogrande", "--items", str(f), "--n", "2",
+               "--measures", "attention", "--rates", "0.5", "--out", str(out)])  # fmt: skip
+    assert rc == 0
+    res = DownstreamResult.load(out)
+    assert sorted(res.per_item["item"].unique()) == [0, 1] and (res.summary.n == 2).all()
+    assert res.config["items_sha256"] == fingerprint(
+        [it.prompt, it.options, it.answer] for it in read_items(f, "winogrande", 2)
+    )
+    rows[1] = {"prompt": "Two and two make", "answer": 1}
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    capsys.readouterr()
+    assert main(["downstream", "--task", "winogrande", "--items", str(f),
+                 "--out", str(tmp_path / "o2")]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert f"{f}:2: the item has no field 'options'" in err and "option1, option2" in err
+    with pytest.raises(SystemExit):  # one source of items, not two
+        main(["downstream", "--task", "boolq", "--items", str(f), "--data-dir", str(tmp_path),
+              "--out", str(tmp_path / "o3")])  # fmt: skip

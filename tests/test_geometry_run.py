@@ -313,3 +313,25 @@ def test_a_new_analysis_is_one_registered_class(tmp_path):
             geometry_run.resolve_analyses("nope")
     finally:
         gr.ANALYSES_REGISTRY.unregister("value_norm")
+
+
+def test_one_text_warns_when_sink_scaling_needs_standard_errors(tmp_path, monkeypatch, capsys):
+    import warnings
+
+    from contribution_weights.experiments.result import FewSamplesWarning
+
+    lm = tiny_model("llama")
+    with pytest.warns(FewSamplesWarning, match=r"only 1 text: .*ppl_se"):
+        res = geometry_run.run_geometry(lm, TEXTS[:1], None, options=OPTS, progress=False)
+    assert res.sink_scaling is not None and res.sink_scaling.table["ppl_se"].isna().all()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FewSamplesWarning)  # no errors over texts asked for
+        geometry_run.run_geometry(lm, TEXTS[:1], None, ["entropy"], OPTS, progress=False)
+
+    monkeypatch.setattr("contribution_weights.loading.load_model", lambda *a, **k: lm)
+    f = tmp_path / "one.txt"
+    f.write_text(TEXTS[0])
+    capsys.readouterr()
+    assert main(["geometry", "--file", str(f), "--sink-layers", "1", "--gammas", "1,0",
+                 "--out", str(tmp_path / "o")]) == 0  # fmt: skip
+    assert "cw geometry: warning: only 1 text:" in capsys.readouterr().err

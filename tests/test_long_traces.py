@@ -174,6 +174,51 @@ def test_top_k_asks_for_more_than_kept():
         tr.top_k("attention", 5)
 
 
+@pytest.mark.parametrize(("tokens", "k"), [(6, 8), (len(IDS), 4)])
+def test_top_k_shape_order_and_fill_as_documented(tokens, k, tmp_path):
+    """(L, H, T, k) whatever T is; |value| largest first; key −1 and value 0 in the slots
+    a query cannot fill (it sees fewer keys: early queries, a sliding window, T < k); the
+    same from maps, from the forward and from a reloaded reductions.safetensors."""
+    lm, ids, names = tiny_model("mistral"), IDS[:tokens], ["attention", "contribution"]
+    ref = cw.trace(lm, ids, measures=names, compute_dtype="float64")
+    no_maps = cw.trace(lm, ids, measures=names, compute_dtype="float64", maps=False, top_k=k)
+    loaded = cw.Trace.load(no_maps.save(tmp_path / "reduced"))
+    n_layers, heads = len(ref.layers), ref.num_heads
+    assert loaded.reductions["attention"].top_keys.shape == (n_layers, heads, tokens, k)
+    for name in names:
+        w = ref[name].tensor()
+        rank = w.abs() if get_measure(name).signed else w
+        nonzero = (rank != 0).sum(-1)  # keys of nonzero weight per query
+        if tokens > 5:  # the window (5 keys) leaves the last query fewer keys than itself
+            assert (nonzero[..., -1] < tokens).all()
+        best = torch.zeros(n_layers, heads, tokens, k, dtype=w.dtype)
+        best[..., : min(k, tokens)] = rank.sort(-1, descending=True).values[..., :k]
+        for tr in (ref, no_maps, loaded):
+            values, keys = tr.top_k(name, k)
+            assert values.shape == keys.shape == (n_layers, heads, tokens, k)
+            filled = keys >= 0
+            assert torch.equal(filled, torch.arange(k) < nonzero[..., None])
+            assert (values[~filled] == 0).all()
+            size = values.abs()
+            assert (size[..., :-1] >= size[..., 1:]).all()  # largest |value| first
+            torch.testing.assert_close(size, best)
+            at_keys = w.gather(-1, keys.long().clamp_min(0)).where(filled, 0)
+            torch.testing.assert_close(values, at_keys)  # values keep their sign
+            first = tr.top_k(name, 2)
+            assert torch.equal(first[0], values[..., :2]) and torch.equal(first[1], keys[..., :2])
+        wider, wider_keys = ref.top_k(name, k + 3)  # computed from the maps
+        assert wider.shape == wider_keys.shape == (n_layers, heads, tokens, k + 3)
+        assert torch.equal(wider_keys >= 0, torch.arange(k + 3) < nonzero[..., None])
+        torch.testing.assert_close(wider[..., :k].abs(), best)
+        if tokens > k:  # more keys than were kept: refused without maps
+            with pytest.raises(ValueError, match=f"top_k={k + 3}"):
+                loaded.top_k(name, k + 3)
+        else:  # every key a query sees was kept: padded
+            torch.testing.assert_close(loaded.top_k(name, k + 3)[0], wider)
+    with pytest.raises(ValueError, match="0 or more"):
+        ref.top_k("attention", -1)
+
+
 @pytest.mark.parametrize(("dtype", "atol"), [("float16", 1e-3), ("bfloat16", 8e-3)])
 def test_half_storage_within_its_stated_error(dtype, atol, tmp_path):
     lm = tiny_model("llama")
@@ -272,6 +317,33 @@ def test_cli_preflight_exits_2(tmp_path, capsys):
     )
     assert code == 2
     assert "needs about" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_every_trace_file_gets_the_mode_of_a_plain_open(umask, tmp_path):
+    """safetensors' save_file left vectors/reductions.safetensors at 0600: every file of
+    a trace folder, saved or streamed, has the mode open() gives under the umask."""
+    import os
+    import stat
+
+    lm, names = tiny_model("llama"), ["attention", "contribution"]
+    old = os.umask(umask)
+    try:
+        (tmp_path / "plain").open("w").close()
+        cw.trace(lm, IDS, measures=names, out=tmp_path / "streamed")
+        in_memory = cw.trace(lm, IDS, measures=names)
+        in_memory.token_scores("attention")  # reductions too
+        in_memory.save(tmp_path / "saved")
+        cw.trace(lm, IDS, measures=names, maps=False).save(tmp_path / "reduced")
+    finally:
+        os.umask(old)
+    want = stat.S_IMODE((tmp_path / "plain").stat().st_mode)
+    assert want == 0o666 & ~umask
+    for folder in ("streamed", "saved", "reduced"):
+        files = [p for p in (tmp_path / folder).rglob("*") if p.is_file()]
+        assert {"vectors.safetensors", "reductions.safetensors"} <= {p.name for p in files}
+        for path in files:
+            assert stat.S_IMODE(path.stat().st_mode) == want, (folder, path.name)
 
 
 def test_cli_no_maps_and_storage_dtype(tmp_path, capsys):

@@ -312,3 +312,50 @@ def test_cli_report_traces_with_a_progress_bar(tmp_path, monkeypatch):
     )
     assert main(["report", "--text", TEXT, "--out", str(tmp_path / "r.html")]) == 0
     assert calls == [True]
+
+
+def test_a_trace_without_maps_says_it_has_none_and_what_to_run(tmp_path, capsys):
+    """Not "the trace has none of the measures" while listing them as present."""
+    reduced = cw.trace(tiny_model("llama"), TEXT, maps=False)
+    for write in (
+        lambda: write_report(reduced, tmp_path / "a.html", progress=False),
+        lambda: reduced.to_html(tmp_path / "b.html"),
+    ):
+        with pytest.raises(ValueError, match="holds no maps") as err:
+            write()
+        assert "maps=False" in str(err.value) and "out=DIR" in str(err.value)
+        assert "--no-maps" not in str(err.value)  # the Python spelling in the API
+    folder = reduced.save(tmp_path / "reduced")
+    out = tmp_path / "r.html"
+    assert main(["report", "--trace", str(folder), "--out", str(out)]) == 2
+    message = " ".join(capsys.readouterr().err.split())
+    assert "holds no maps" in message and "cw trace --no-maps" in message
+    assert "cw trace --file TEXT --model tiny-llama --out DIR" in message
+    assert "--measures attention,contribution --storage-dtype float16" in message
+    assert f"cw report --file TEXT --model tiny-llama --out {out}" in message
+    assert "maps=False" not in message and "has none of" not in message
+    assert not out.exists()
+
+
+def test_cli_report_traces_distance_only_when_named(tmp_path, monkeypatch):
+    import contribution_weights.tracing as tracing
+
+    traced: list[cw.Trace] = []
+    real = tracing.trace
+
+    def spy(*args, **kwargs):
+        traced.append(real(*args, **kwargs))
+        return traced[-1]
+
+    monkeypatch.setattr(tracing, "trace", spy)
+    monkeypatch.setattr(
+        "contribution_weights.loading.load_model", lambda *a, **k: tiny_model("llama")
+    )
+    out = tmp_path / "r.html"
+    assert main(["report", "--text", TEXT, "--out", str(out)]) == 0
+    assert traced[-1].measures == ["attention", "contribution", "intra", "vw", "vw_on"]
+    assert read_report(out).meta["measure_order"] == traced[-1].measures
+    named = ["--measures", "attention,distance"]
+    assert main(["report", "--text", TEXT, *named, "--out", str(out)]) == 0
+    assert traced[-1].measures == ["attention", "distance"]
+    assert read_report(out).meta["measure_order"] == ["attention", "distance"]

@@ -12,6 +12,8 @@ Quick start::
 Layout: each layer imports only from the layers before it (checked, lazy imports inside
 functions included, by ``tests/test_layering.py``):
 
+0. ``registry`` (the one registry type for everything found by name) and ``defaults``
+   (the names and defaults the command line shows): pure Python, they import nothing;
 1. ``measures`` (pure maths), ``families`` (model families as data), ``runs`` (run
    folders), ``data`` (evaluation data), ``progress``, ``storage`` (where a trace's maps
    live: memory or per-layer shards on disk);
@@ -28,19 +30,65 @@ The one sanctioned exception: methods that hand a result to presentation
 lazily, inside the method.
 """
 
-from . import progress  # noqa: F401, I001  (first: quiets tqdm's notebook warning)
-from . import data, kv
-from .capture import CaptureError, CaptureSession, LayerCall, capturing
-from .experiments import geometry
-from .experiments.downstream import DownstreamOptions, DownstreamResult, downstream
-from .experiments.faithfulness import FaithfulnessOptions, FaithfulnessResult, faithfulness
-from .experiments.geometry import GeometryOptions, GeometryResult, run_geometry
-from .families import FamilySpec, UnsupportedModelError, register_family, supported_families
-from .inputs import InputError
-from .loading import LoadedModel, ModelLoadError, load_model
-from .measures import Measure, get_measure, measure_names, register_measure
-from .results import Trace
-from .tracing import TraceOptions, trace
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from . import progress  # noqa: F401  (first: quiets tqdm's notebook warning; light)
+
+if TYPE_CHECKING:  # what the names below resolve to, for type checkers and IDEs
+    from . import data, kv
+    from .capture import CaptureError, CaptureSession, LayerCall, capturing
+    from .experiments import geometry
+    from .experiments.downstream import DownstreamOptions, DownstreamResult, downstream
+    from .experiments.faithfulness import (
+        FaithfulnessOptions,
+        FaithfulnessResult,
+        faithfulness,
+    )
+    from .experiments.geometry import GeometryOptions, GeometryResult, run_geometry
+    from .families import FamilySpec, UnsupportedModelError, register_family, supported_families
+    from .inputs import InputError
+    from .loading import LoadedModel, ModelLoadError, load_model
+    from .measures import Measure, get_measure, measure_names, register_measure
+    from .results import Trace
+    from .tracing import TraceOptions, trace
+
+#: where each public name lives. The package imports nothing heavy (torch, transformers)
+#: itself: a name's module is imported when the name is first used (PEP 562), so ``cw
+#: --help`` and argument errors answer at once, and ``import contribution_weights`` is quick.
+_EXPORTS: dict[str, str] = {
+    "CaptureError": ".capture",
+    "CaptureSession": ".capture",
+    "LayerCall": ".capture",
+    "capturing": ".capture",
+    "DownstreamOptions": ".experiments.downstream",
+    "DownstreamResult": ".experiments.downstream",
+    "downstream": ".experiments.downstream",
+    "FaithfulnessOptions": ".experiments.faithfulness",
+    "FaithfulnessResult": ".experiments.faithfulness",
+    "faithfulness": ".experiments.faithfulness",
+    "GeometryOptions": ".experiments.geometry",
+    "GeometryResult": ".experiments.geometry",
+    "run_geometry": ".experiments.geometry",
+    "FamilySpec": ".families",
+    "UnsupportedModelError": ".families",
+    "register_family": ".families",
+    "supported_families": ".families",
+    "InputError": ".inputs",
+    "LoadedModel": ".loading",
+    "ModelLoadError": ".loading",
+    "load_model": ".loading",
+    "Measure": ".measures",
+    "get_measure": ".measures",
+    "measure_names": ".measures",
+    "register_measure": ".measures",
+    "Trace": ".results",
+    "TraceOptions": ".tracing",
+    "trace": ".tracing",
+}
+_MODULES = {"data": ".data", "kv": ".kv", "geometry": ".experiments.geometry"}
 
 __version__ = "0.1.0"
 
@@ -78,3 +126,25 @@ __all__ = [
     "supported_families",
     "trace",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """The public names, imported on first use; also the package's submodules
+    (``cw.tracing``, ``cw.measures``), as an eager ``__init__`` would have left them."""
+    if name in _MODULES:
+        value: Any = importlib.import_module(_MODULES[name], __name__)
+    elif name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    else:
+        try:
+            value = importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as err:
+            if err.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

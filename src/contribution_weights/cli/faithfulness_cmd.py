@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..experiments.faithfulness import FaithfulnessOptions
+from ..experiments.options import FaithfulnessOptions
 from .common import (
     add_corpus_arguments,
     add_model_arguments,
@@ -16,6 +16,12 @@ from .common import (
     positive_int,
 )
 from .options import add_options, options_from_args
+
+#: how to give a corpus experiment more than one text (the hint after a warning)
+MORE_TEXTS = (
+    "--dataset with --n 2 or more, or a --texts/--file holding 2 or more texts; a .txt "
+    "file holds one text per block of lines separated by a blank line"
+)
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,24 +54,30 @@ def print_skipped(result: object) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..data import MissingDataError
     from ..experiments.faithfulness import faithfulness
+    from ..experiments.result import few_samples_on_stderr
     from ..experiments.runner import processes
     from ..loading import load_model
 
     check_out_dir(args.out)  # before the data and the model load
     options = options_from_args(FaithfulnessOptions, args)  # bad options fail before loading
-    texts, source = load_corpus(args)
+    try:
+        texts, source = load_corpus(args)
+    except MissingDataError as err:
+        raise err.for_command("faithfulness", "--texts FILE.jsonl or --file FILE.txt") from None
     model = load_model(args.model, dtype=args.dtype, device=model_device(args))
     texts, source = fit_corpus(args, model, texts, source)
-    result = faithfulness(
-        model,
-        texts,
-        options=options,
-        out=args.out,
-        resume=args.resume,
-        batch_size=args.batch_size,
-        source=source,
-    )
+    with few_samples_on_stderr("faithfulness", MORE_TEXTS):
+        result = faithfulness(
+            model,
+            texts,
+            options=options,
+            out=args.out,
+            resume=args.resume,
+            batch_size=args.batch_size,
+            source=source,
+        )
     if not processes().main:
         return 0
     print(result.summary.to_string(index=False, float_format=lambda x: f"{x:.4g}"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..experiments.geometry_result import ANALYSES, GeometryOptions
+from ..experiments.options import GeometryOptions
 from .common import (
     add_corpus_arguments,
     add_model_arguments,
@@ -25,7 +25,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_corpus_arguments(p)
     p.add_argument(
-        "--only", default=None, help=f"comma-separated analyses (default all: {','.join(ANALYSES)})"
+        "--only",
+        default=None,
+        help="comma-separated analyses (default all; docs/geometry.md describes them, and an "
+        "unknown name is answered with the list)",
     )
     add_options(p, GeometryOptions)
     p.add_argument("--out", type=Path, required=True, help="output folder")
@@ -35,20 +38,27 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..data import MissingDataError
     from ..experiments.geometry import resolve_analyses, run_geometry
+    from ..experiments.result import few_samples_on_stderr
     from ..experiments.runner import processes
     from ..loading import load_model
     from ..presentation.geometry_plots import write_figures, write_markdown
+    from .faithfulness_cmd import MORE_TEXTS
 
     check_out_dir(args.out)  # before the data and the model load
     analyses = resolve_analyses(args.only)
     options = options_from_args(GeometryOptions, args)  # bad options fail before loading
-    texts, source = load_corpus(args)
+    try:
+        texts, source = load_corpus(args)
+    except MissingDataError as err:
+        raise err.for_command("geometry", "--texts FILE.jsonl or --file FILE.txt") from None
     model = load_model(args.model, dtype=args.dtype, device=model_device(args))
     texts, source = fit_corpus(args, model, texts, source)
-    result = run_geometry(
-        model, texts, args.out, analyses, options, resume=args.resume, source=source
-    )
+    with few_samples_on_stderr("geometry", MORE_TEXTS):
+        result = run_geometry(
+            model, texts, args.out, analyses, options, resume=args.resume, source=source
+        )
     if not processes().main:
         return 0
     title = f"{model.name} on {source} ({result.sequences} texts, ≤{options.max_tokens} tokens)"

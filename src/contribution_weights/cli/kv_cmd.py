@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..experiments.kv_eval import DEFAULT_RATIOS, TASKS
-from ..kv.methods import method_names
+from ..defaults import KV_RATIOS as DEFAULT_RATIOS
+from ..defaults import KV_TASKS as TASKS
 from .common import (
     add_model_arguments,
     check_out_dir,
@@ -32,7 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--methods",
         default="all",
-        help=f"comma-separated methods (default all: {', '.join(method_names())})",
+        help="comma-separated methods (default all; docs/kv-cache.md describes them, and an "
+        "unknown name is answered with the list)",
     )
     p.add_argument(
         "--ratios",
@@ -57,6 +58,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from .. import data
     from ..experiments.kv_eval import METRIC, KVEvalOptions, kv_eval
+    from ..experiments.result import few_samples_on_stderr
     from ..experiments.runner import processes
     from ..loading import load_model
 
@@ -65,7 +67,11 @@ def run(args: argparse.Namespace) -> int:
     texts, source = None, task
     if task == "lm":
         if args.dataset:
-            texts, source = data.load_texts(args.dataset, None, args.data_dir), args.dataset
+            try:
+                texts, source = data.load_texts(args.dataset, None, args.data_dir), args.dataset
+            except data.MissingDataError as err:
+                own = "--texts FILE.jsonl (or --task passkey, which needs no data)"
+                raise err.for_command("kv-eval", own) from None
         elif args.texts:
             texts, source = data.read_texts(args.texts, field=args.field), str(args.texts)
         else:
@@ -79,7 +85,16 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
     ).check()  # bad options fail before the model loads
     model = load_model(args.model, dtype=args.dtype, device=model_device(args))
-    result = kv_eval(model, texts, options=options, out=args.out, resume=args.resume, source=source)
+    more = "--n 2 or more" + (
+        f"; the lm task makes an item of every {options.context_tokens + 129} tokens of "
+        "consecutive texts, so give texts enough for 2"
+        if task == "lm"
+        else ""
+    )
+    with few_samples_on_stderr("kv-eval", more):
+        result = kv_eval(
+            model, texts, options=options, out=args.out, resume=args.resume, source=source
+        )
     if not processes().main:
         return 0
     print(result.summary.to_string(index=False, float_format=lambda x: f"{x:.4g}"))

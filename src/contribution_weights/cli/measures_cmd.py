@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from ..measures.registry import get_measure, measure_names
-
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("measures", help="list the registered measures")
@@ -13,6 +11,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..measures.registry import get_measure, measure_names
+
     print(f"{'measure':14s} {'kind':9s} {'in all':6s} {'how a trace gets it':28s} description")
     for name in measure_names():
         m = get_measure(name)

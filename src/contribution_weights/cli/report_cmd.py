@@ -8,7 +8,7 @@ import time
 import warnings
 from pathlib import Path
 
-from ..presentation.report_data import PRECISIONS
+from ..presentation.report_data import DEFAULT_MAX_BYTES, DEFAULT_MEASURES, PRECISIONS
 from ..progress import status
 from .common import add_model_arguments, check_out_file, parse_int_list, read_text
 
@@ -29,8 +29,6 @@ def parse_size(value: str) -> int | None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from ..presentation.report import DEFAULT_MAX_BYTES, DEFAULT_MEASURES
-
     p = sub.add_parser(
         "report",
         help="write an interactive, self-contained HTML report of a trace",
@@ -47,8 +45,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--measures",
         default=None,
-        help=f"comma-separated measures to embed (default: {','.join(DEFAULT_MEASURES)}, "
-        "those available; 'all' for every traced one)",
+        help="comma-separated measures to trace and embed (default: "
+        f"{','.join(DEFAULT_MEASURES)}, but distance, slow, is traced only when named; from "
+        "a --trace folder, those of them it holds; 'all' for every traced one)",
     )
     p.add_argument(
         "--layers", type=parse_int_list, default=None, help="layers to embed, e.g. 0,5,-1 or 0-3"
@@ -78,12 +77,28 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..presentation.report import DEFAULT_MEASURES, ReportSizeWarning, write_report
+    from ..presentation.report import ReportSizeWarning, traced_measures, write_report
     from ..results import Trace
 
     check_out_file(args.out)  # before any tracing or loading
     if args.trace is not None:
         result = Trace.load(args.trace)
+        if not result.has_maps:
+            import shlex
+
+            from ..inputs import InputError
+
+            flag = f" --model {shlex.quote(result.model_name)}" if result.model_name else ""
+            raise InputError(
+                f"{args.trace} holds no maps: it was written by `cw trace --no-maps`, which "
+                "keeps only per-(layer, head) reductions (token scores, first-token weight, "
+                "entropy, top-k keys), and the report shows T x T maps. Trace the text again "
+                f"without --no-maps, e.g. `cw trace --file TEXT{flag} --out DIR --measures "
+                "attention,contribution --storage-dtype float16` (maps streamed to disk, in "
+                f"half the space, for a long text), then `cw report --trace DIR --out "
+                f"{args.out}`; or report the text directly: `cw report --file TEXT{flag} "
+                f"--out {args.out}`"
+            )
         layers = args.layers
         if layers is not None:
             total = int(result.meta.get("num_layers", 0))
@@ -98,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
         text = read_text(args)
         with status(f"loading {args.model or 'smollm2'}"):
             model = load_model(args.model, dtype=args.dtype, device=args.device)
-        measures = args.measures or ",".join(DEFAULT_MEASURES)
+        # the report's defaults; distance (slow: T²·d per head and layer) only when named
+        measures = args.measures or ",".join(traced_measures())
         start = time.perf_counter()
         result = trace(
             model,

@@ -6,10 +6,7 @@ import argparse
 import time
 from pathlib import Path
 
-from ..measures.reductions import DEFAULT_TOP_K
-from ..measures.registry import measure_names
-from ..storage import STORAGE_DTYPES
-from ..tracing import TraceOptions
+from ..defaults import DEFAULT_TOP_K, STORAGE_DTYPE_NAMES
 from .common import (
     add_model_arguments,
     add_text_arguments,
@@ -51,8 +48,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--measures",
         default="all",
-        help=f"comma-separated measures or 'all' = every measure but distance and ihc "
-        f"(valid: {', '.join(measure_names())})",
+        help="comma-separated measures or 'all' = every measure but distance and ihc "
+        "(`cw measures` lists them; an unknown name is answered with the list)",
     )
     p.add_argument(
         "--layers", type=parse_int_list, default=None, help="layers to trace, e.g. 0,5,-1 or 0-3"
@@ -67,7 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--storage-dtype",
         default=None,
-        choices=list(STORAGE_DTYPES),
+        choices=STORAGE_DTYPE_NAMES,
         help="dtype of the maps on disk (default: the compute dtype); float16 or bfloat16 "
         "halve the size (docs/long-contexts.md gives the error they add)",
     )
@@ -109,14 +106,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # everything that can be checked is checked before the model loads, and what needs
+    # no model before torch is imported (a missing --file or a bad --out answer at once)
+    check_out_dir(args.out)
+    text = read_text(args)
     from ..inputs import InputError, resolve_layers
     from ..loading import load_model, peek_dims
     from ..measures.registry import resolve_measures
-    from ..tracing import trace
+    from ..tracing import TraceOptions, trace
 
-    # everything that can be checked is checked before the model loads
-    check_out_dir(args.out)
-    text = read_text(args)
     if not text.strip():
         raise InputError("the text is empty; pass some text to trace")
     resolve_measures(args.measures)  # an unknown measure names the valid ones
@@ -142,17 +140,13 @@ def run(args: argparse.Namespace) -> int:
     result = trace(model, text, out=args.out, **options.as_kwargs())
     elapsed = time.perf_counter() - start
     out = Path(args.out)
-    written = ["maps/" if result.has_maps else "reductions.safetensors"]
-    written += ["vectors.safetensors", "tokens.json", "meta.json", "summary.json"]
     if not args.no_figures:
         from ..presentation import figures
 
         if result.has_maps:
             figures.save(figures.plot_heatmaps(result, args.heads), out / "heatmaps.png")
-            written.append("heatmaps.png")
         if any(m in result.measures for m in figures.FIRST_TOKEN_MEASURES):
             figures.save(figures.plot_first_token_weight(result), out / "first_token_weight.png")
-            written.append("first_token_weight.png")
     print(
         f"{model.name}: {result.num_tokens} tokens, {len(result.layers)} layers x "
         f"{result.num_heads} heads, {len(result.measures)} measures in {elapsed:.1f} s"
@@ -161,5 +155,9 @@ def run(args: argparse.Namespace) -> int:
     summary = result.summary()
     if not summary.empty:
         print(summary.to_string(float_format=lambda v: f"{v:.3f}"))
-    print(f"wrote {', '.join(written)} to {out}")
+    from ..results import trace_files
+
+    # read from the folder (the trace emptied it of an earlier trace's files first), so
+    # the list is what this trace wrote
+    print(f"wrote {', '.join(trace_files(out))} to {out}")
     return 0

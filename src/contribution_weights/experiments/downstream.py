@@ -15,7 +15,6 @@ import itertools
 import math
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +24,14 @@ import torch
 from ..data import ChoiceItem
 from ..interventions import CLEAN, DEFAULT_MEMORY_BYTES, SINK_COSINE, Removal, token_logprobs
 from ..loading import LoadedModel
-from ..measures.registry import resolve_measures
 from ..runs import fingerprint
-from .faithfulness import DEFAULT_MEASURES, DEFAULT_RATES, check_rates, check_sink_cosine
-from .options import Options, as_floats, option, split_names
+from .options import (  # the options are light: the CLI reads them before torch
+    DEFAULT_MEASURES,
+    DEFAULT_RATES,
+    DownstreamOptions,
+    as_floats,
+    split_names,
+)
 from .result import ExperimentResult, read_csv, write_csv
 from .runner import Experiment, Phase, SkipUnit, run_experiment
 
@@ -220,48 +223,6 @@ def per_item_frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
         frame["n_options"] = frame["n_options"].astype(int)
     frame["rate"] = frame["rate"].astype(float)
     return frame.sort_values(["item"], kind="stable").reset_index(drop=True)
-
-
-@dataclass
-class DownstreamOptions(Options):
-    """Options of :func:`downstream` and ``cw downstream`` (checked on creation)."""
-
-    measures: list[str] = option(
-        DEFAULT_MEASURES, "comma-separated measures (any registered measure)",
-        flag="--measures", parse="names",
-    )  # fmt: skip
-    rates: list[float] = option(
-        DEFAULT_RATES, "removal rates p, each in [0, 1]", flag="--rates", parse="floats"
-    )
-    protect_sinks: bool = option(
-        True, "let sink tokens be removed too (appendix C.3)",
-        flag="--no-sink-protection", parse="no-flag",
-    )  # fmt: skip
-    max_tokens: int = option(
-        512, "skip items whose prompt plus longest option exceed N tokens",
-        flag="--max-tokens", parse="int",
-    )  # fmt: skip
-    sink_cosine: float = option(
-        SINK_COSINE,
-        "a token is a sink at a layer when its layer-input hidden state has cosine above "
-        "this with token 0's",
-        flag="--sink-cosine", parse="float", aliases=("--sink-threshold",),
-    )  # fmt: skip
-
-    def validate(self) -> None:
-        self.measures = resolve_measures(self.measures)  # a string is a name or "a,b"
-        self.rates = check_rates(self.rates)
-        if int(self.max_tokens) < 2:
-            raise ValueError(
-                f"max_tokens must be at least 2 (a prompt token and an option token), "
-                f"got {self.max_tokens}"
-            )
-        self.max_tokens = int(self.max_tokens)
-        self.sink_cosine = check_sink_cosine(self.sink_cosine)
-        self.protect_sinks = bool(self.protect_sinks)
-
-    def removals(self) -> list[Removal]:
-        return [Removal(m, "sufficiency", r) for m in self.measures for r in self.rates]
 
 
 class Downstream(Experiment[DownstreamResult]):

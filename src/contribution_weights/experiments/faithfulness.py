@@ -10,11 +10,9 @@ stopped. The run loop is :mod:`.runner`'s (resume, run_info, data parallel).
 
 from __future__ import annotations
 
-import itertools
 import math
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,22 +24,23 @@ from ..interventions import (
     CLEAN,
     DEFAULT_MEMORY_BYTES,
     MODES,
-    SCOPES,
     SINK_COSINE,
-    Removal,
     global_thresholds,
     mean_nll,
     token_logprobs,
 )
 from ..loading import LoadedModel
-from ..measures.registry import resolve_measures
 from ..runs import fingerprint
-from .options import Options, as_floats, option, split_names
-from .result import ExperimentResult, read_csv, write_csv
+from .options import (  # the options are light: the CLI reads them before torch
+    DEFAULT_MEASURES,
+    DEFAULT_RATES,
+    FaithfulnessOptions,
+    as_floats,
+    split_names,
+)
+from .result import ExperimentResult, read_csv, warn_few_samples, write_csv
 from .runner import Experiment, Phase, SkipUnit, run_experiment
 
-DEFAULT_MEASURES = ("attention", "vw", "vw_on", "ihc")
-DEFAULT_RATES = (0.1, 0.2, 0.3, 0.4, 0.5)
 PER_SEQUENCE = "per_sequence.csv"
 SUMMARY = "summary.csv"
 SUMMARY_COLUMNS = [
@@ -54,85 +53,6 @@ SUMMARY_COLUMNS = [
     "delta_nll_mean",
     "delta_nll_se",
 ]
-
-
-@dataclass
-class FaithfulnessOptions(Options):
-    """Options of :func:`faithfulness` and ``cw faithfulness`` (checked on creation)."""
-
-    measures: list[str] = option(
-        DEFAULT_MEASURES, "comma-separated measures (any registered measure)",
-        flag="--measures", parse="names",
-    )  # fmt: skip
-    rates: list[float] = option(
-        DEFAULT_RATES, "removal rates p, each in [0, 1]", flag="--rates", parse="floats"
-    )
-    modes: list[str] = option(
-        MODES, "comprehensiveness and/or sufficiency", flag="--modes", parse="names"
-    )
-    protect_sinks: bool = option(
-        True, "let sink tokens be removed too (appendix C.3)",
-        flag="--no-sink-protection", parse="no-flag",
-    )  # fmt: skip
-    scope: str = option("layer", "ranking scope", flag="--scope", choices=SCOPES)
-    max_tokens: int = option(
-        512, "keep the first N tokens of longer texts (texts under 2 tokens are skipped)",
-        flag="--max-tokens", parse="int",
-    )  # fmt: skip
-    sink_cosine: float = option(
-        SINK_COSINE,
-        "a token is a sink at a layer when its layer-input hidden state has cosine above "
-        "this with token 0's",
-        flag="--sink-cosine", parse="float", aliases=("--sink-threshold",),
-    )  # fmt: skip
-
-    def validate(self) -> None:
-        self.measures = resolve_measures(self.measures)  # a string is a name or "a,b"
-        self.modes = list(dict.fromkeys(split_names(self.modes)))
-        for m in self.modes:
-            if m not in MODES:
-                raise ValueError(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
-        if not self.modes:
-            raise ValueError(f"no mode given; choose from {', '.join(MODES)}")
-        if self.scope not in SCOPES:
-            raise ValueError(f"unknown scope {self.scope!r}; choose from {', '.join(SCOPES)}")
-        self.rates = check_rates(self.rates)
-        self.max_tokens = check_max_tokens(self.max_tokens)
-        self.sink_cosine = check_sink_cosine(self.sink_cosine)
-        self.protect_sinks = bool(self.protect_sinks)
-
-    def check(self) -> FaithfulnessOptions:
-        """Validated already on creation; kept for callers of the older API."""
-        self.validate()
-        return self
-
-    def removals(self) -> list[Removal]:
-        return [
-            Removal(m, mode, rate)
-            for m, mode, rate in itertools.product(self.measures, self.modes, self.rates)
-        ]
-
-
-def check_rates(rates: Any) -> list[float]:
-    """Sorted distinct removal rates, each in [0, 1]."""
-    out = sorted(set(as_floats(rates)))
-    if not out or any(not 0 <= r <= 1 for r in out):
-        raise ValueError(f"rates must be in [0, 1], got {rates}; pass e.g. 0.1,0.5")
-    return out
-
-
-def check_max_tokens(max_tokens: Any) -> int:
-    if int(max_tokens) < 2:
-        raise ValueError(f"max_tokens must be at least 2 (a token and its next), got {max_tokens}")
-    return int(max_tokens)
-
-
-def check_sink_cosine(value: Any) -> float:
-    if not -1 <= float(value) <= 1:
-        raise ValueError(
-            f"sink_cosine is a cosine, in [-1, 1]; got {value} (default {SINK_COSINE})"
-        )
-    return float(value)
 
 
 def sequence_rows(
@@ -365,4 +285,5 @@ def faithfulness(
     experiment = Faithfulness(
         model, texts, options, source=source, batch_size=batch_size, memory_bytes=memory_bytes
     )
+    warn_few_samples(len(texts), "text", "delta_ppl_se, delta_nll_se")
     return run_experiment(experiment, out, resume=resume, progress=progress)

@@ -52,7 +52,6 @@ from ..loading import LoadedModel
 from ..runs import fingerprint
 from .geometry_result import (
     ANALYSES,
-    DEFAULT_GAMMAS,
     SCALING_FILE,
     STATE_FILE,
     GeometryOptions,
@@ -62,6 +61,8 @@ from .geometry_result import (
     make_stats,
     resolve_analyses,
 )
+from .options import DEFAULT_GAMMAS
+from .result import warn_few_samples
 from .runner import Experiment, Phase, run_experiment
 from .sinks import detect_sink_layers, sink_scaling_nll
 from .state_io import load_state, save_state
@@ -314,6 +315,8 @@ def run_geometry(
     """Run the geometry analyses over ``texts`` into the run folder ``out`` (resumable;
     data parallel under ``accelerate launch``, see :mod:`.runner`)."""
     experiment = Geometry(model, texts, analyses, options, source)
+    if "sink_scaling" in experiment.analyses:  # the only table with errors over texts
+        warn_few_samples(len(experiment.texts), "text", "sink scaling: ppl_se, nll_se")
     return run_experiment(experiment, out, resume=resume, progress=progress)
 
 

