@@ -550,7 +550,7 @@ def test_column_sum_token_scores_equal_the_full_measure_tensors(model_type, monk
         return probe.history, logits
 
     fast, fast_logits = run()
-    monkeypatch.setattr(interventions, "COLUMN_SUMS", {})
+    monkeypatch.setattr(interventions, "column_sums_of", lambda measure: None)
     monkeypatch.setattr(
         capture.LayerCall,
         "row_blocks",
@@ -587,3 +587,29 @@ def test_cli_min_tokens_keeps_long_texts_and_join_reaches_the_length(tmp_path, m
     assert "--join needs --min-tokens" in capsys.readouterr().err
     assert main([*args, "--min-tokens", "500", "--out", str(tmp_path / "d")]) == 2
     assert "lower --min-tokens" in capsys.readouterr().err
+
+
+def test_one_text_warns_that_standard_errors_need_two(tmp_path, monkeypatch, capsys):
+    import warnings
+
+    from contribution_weights.cli import main
+    from contribution_weights.experiments.result import FewSamplesWarning
+
+    lm = tiny_model("llama")
+    with pytest.warns(FewSamplesWarning, match=r"only 1 text: .*delta_ppl_se.*2 or more texts"):
+        res = faithfulness(lm, [TEXT], measures=["attention"], rates=[0.5], progress=False)
+    assert res.summary["delta_ppl_se"].isna().all()  # what the warning is about
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FewSamplesWarning)  # two texts: no warning
+        faithfulness(lm, [TEXT, TEXT[::-1]], measures=["attention"], rates=[0.5], progress=False)
+
+    monkeypatch.setattr("contribution_weights.loading.load_model", lambda *a, **k: lm)
+    f = tmp_path / "one.txt"
+    f.write_text(TEXT + "\n")
+    capsys.readouterr()
+    rc = main(["faithfulness", "--file", str(f), "--measures", "attention", "--rates", "0.5",
+               "--out", str(tmp_path / "o")])  # fmt: skip
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert "cw faithfulness: warning: only 1 text:" in err and "--n 2 or more" in err
+    assert "UserWarning" not in err and "FewSamplesWarning" not in err  # one plain line

@@ -10,7 +10,7 @@ import contribution_weights
 
 PACKAGE = Path(contribution_weights.__file__).parent
 LAYERS = [
-    {"registry"},
+    {"registry", "defaults"},
     {"families", "measures", "progress", "runs", "data", "storage"},
     {"capture", "loading", "results"},
     {"interventions", "inputs", "kv"},
@@ -86,3 +86,24 @@ def test_the_checker_sees_lazy_and_relative_imports(tmp_path, monkeypatch):
     (sub / "x.py").write_text("def f():\n    from ..cli import main\n    from . import y\n")
     monkeypatch.setattr(f"{__name__}.PACKAGE", tmp_path / "pkg")
     assert _imports(sub / "x.py") == [("cli", True, 2), ("measures", True, 3)]
+
+
+def test_no_caller_switches_on_the_class_behind_a_protocol():
+    """Map stores are used through MapStore alone: ``isinstance(x, DenseMaps)`` outside
+    storage.py would mean the protocol lacks a method."""
+    concrete = {"DenseMaps", "PackedMaps", "LegacyMaps"}
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "storage.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == "isinstance"
+                and len(node.args) == 2
+            ):
+                names = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}
+                if names & concrete:
+                    wrong.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert not wrong, "switches on a map store's class:\n" + "\n".join(wrong)

@@ -54,15 +54,12 @@ import torch
 from torch import Tensor, nn
 
 from .capture import Intervention, LayerCall, capturing, check_all_layers_seen
+from .defaults import MODES, SCOPES, SINK_COSINE  # light: the CLI shows them before torch
 from .families import family_for
 from .loading import LoadedModel
 from .measures.aggregates import later_query_mean, later_query_sums
 from .measures.layer import LayerTensors
 from .measures.registry import get_measure
-
-MODES = ("comprehensiveness", "sufficiency")
-SCOPES = ("layer", "global")
-SINK_COSINE = 0.95
 
 
 @dataclass(frozen=True)
@@ -89,35 +86,12 @@ class Removal:
 CLEAN = Removal(None)
 
 
-# ---- token scores from column sums -------------------------------------------------------
-# Σ_i w_ij over a block of queries, for measures whose sum factorises per key, so that no
-# (n, H, I, T) measure tensor or masked copy is built. Each equals
-# later_query_sums(lt.masked(measure(lt))) to float rounding where α is 0 outside the mask.
-def _attention_sums(lt: LayerTensors) -> Tensor:
-    return lt.probs.sum(-2)  # Σ_i α_ij
+def column_sums_of(measure: str) -> Callable[[LayerTensors], Tensor] | None:
+    """The measure's per-key column sums (:attr:`Measure.column_sums`), the fast path of
+    token scores: no ``(n, H, I, T)`` measure tensor or masked copy is built."""
+    return get_measure(measure).column_sums
 
 
-def _vw_sums(lt: LayerTensors) -> Tensor:
-    return lt.value_norm * lt.probs.sum(-2)  # ‖ṽ_j‖ Σ_i α_ij
-
-
-def _vw_on_sums(lt: LayerTensors) -> Tensor:
-    # ‖ṽ_j‖ Σ_i α_ij / ‖o_i‖ = ‖ṽ_j‖ · ((1/‖o‖)ᵀ α)_j
-    return lt.value_norm * torch.einsum("bi,bhit->bht", lt.inv_output_norm, lt.probs)
-
-
-def _ihc_sums(lt: LayerTensors) -> Tensor:
-    # Σ_i |α_ij ⟨o_i, ṽ_j⟩| / ‖o_i‖²: one elementwise |·| pass, then a weighted column sum
-    dots = (lt.probs * lt.output_dot_values).abs_()
-    return torch.einsum("bi,bhit->bht", lt.inv_output_norm2, dots)
-
-
-COLUMN_SUMS: dict[str, Callable[[LayerTensors], Tensor]] = {
-    "attention": _attention_sums,
-    "vw": _vw_sums,
-    "vw_on": _vw_on_sums,
-    "ihc": _ihc_sums,
-}
 #: (n, H, I, Tk) tensors the token-score maths holds at once, for sizing query blocks
 _LIVE_BLOCKS = 6
 
@@ -251,7 +225,7 @@ class SequentialRemoval:
         compute = get_measure(measure).compute
         # column sums need α_ij = 0 wherever query i may not see key j (j > i included),
         # which the eager mask guarantees; without a mask the generic path masks explicitly
-        column_sums = COLUMN_SUMS.get(measure) if call.attention_mask is not None else None
+        column_sums = column_sums_of(measure) if call.attention_mask is not None else None
         for start in range(0, limit, step):
             block = slice(start, min(limit, start + step))
             probs = call.probs(block, idx)  # only this measure's batch rows

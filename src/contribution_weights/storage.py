@@ -30,12 +30,9 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-STORAGE_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-}
+from .defaults import STORAGE_DTYPE_NAMES  # light: the CLI's choices
+
+STORAGE_DTYPES = {name: getattr(torch, name) for name in STORAGE_DTYPE_NAMES}
 _ST_DTYPE = {
     torch.float32: "F32",
     torch.float16: "F16",
@@ -59,6 +56,33 @@ def storage_dtype(value: str | torch.dtype) -> torch.dtype:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux says it
+    (``/proc/self/status``); elsewhere set and restored at once."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def save_tensors(tensors: dict[str, Tensor], path: str | Path) -> Path:
+    """``safetensors.torch.save_file`` with the mode ``open()`` gives a new file
+    (0o666 & ~umask, usually 0644): save_file writes a temporary file and renames it,
+    which leaves the file readable by its owner only (0600)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    save_file(tensors, str(path))
+    os.chmod(path, 0o666 & ~_umask())
+    return path
 
 
 def is_causal(key_stop: Tensor) -> bool:
@@ -98,17 +122,41 @@ def packed_offset(row: int) -> int:
 
 
 class MapStore(Protocol):
-    """Stored maps of the traced layers (see module docstring)."""
+    """Stored maps of the traced layers (see module docstring).
+
+    A trace writes each layer as ``start_layer``, then blocks of query rows (each measure's
+    block computed straight into ``destination`` where the store offers one, else handed
+    to ``write``), then ``finish_layer``; callers never ask which store they hold.
+    """
 
     names: list[str]
+
+    def start_layer(self, pos: int, causal: bool) -> None:
+        """Layer ``pos`` begins; ``causal``: every query sees only keys up to itself."""
+        ...
+
+    def destination(
+        self, name: str, pos: int, rows: slice, keys: slice, dtype: torch.dtype
+    ) -> Tensor | None:
+        """An ``(H, I, K)`` view to compute a block of ``dtype`` into (the rest of those rows
+        set to zero), or None: compute it elsewhere and :meth:`write` it."""
+        ...
 
     def write(self, name: str, pos: int, rows: slice, block: Tensor, first_key: int = 0) -> None:
         """Store ``block`` ``(H, I, K)``: rows ``rows`` of measure ``name`` at layer ``pos``,
         keys ``first_key … first_key + K − 1`` (the other keys of those rows are 0)."""
         ...
 
+    def finish_layer(self, pos: int) -> None:
+        """Every row of layer ``pos`` is written."""
+        ...
+
     def read(self, name: str, pos: int, heads: slice, rows: slice) -> Tensor:
         """``(h, I, T)`` float32 (float64 for float64 storage): heads × query rows × keys."""
+        ...
+
+    def to(self, device: str) -> MapStore:
+        """The maps on ``device`` (stores on disk stay where they are)."""
         ...
 
     def close(self) -> None: ...
@@ -137,19 +185,29 @@ class DenseMaps:
         # that it does not cover (those its queries cannot see)
         self.tensors = {n: torch.empty(shape, dtype=dtype, device=device) for n in names}
 
-    def destination(self, name: str, pos: int, rows: slice, keys: slice) -> Tensor:
-        """The ``(H, I, K)`` view a block is written to (for ``out=`` writes); the rest of
-        those rows is set to zero."""
+    def start_layer(self, pos: int, causal: bool) -> None:
+        pass
+
+    def _view(self, name: str, pos: int, rows: slice, keys: slice) -> Tensor:
         full = self.tensors[name][pos, :, rows]
         full[..., : keys.start] = 0
         full[..., keys.stop :] = 0
         return full[..., keys]
 
+    def destination(
+        self, name: str, pos: int, rows: slice, keys: slice, dtype: torch.dtype
+    ) -> Tensor | None:
+        """The storage itself when it holds ``dtype`` (for ``out=`` writes, saving a copy)."""
+        return self._view(name, pos, rows, keys) if dtype == self.dtype else None
+
     def write(self, name: str, pos: int, rows: slice, block: Tensor, first_key: int = 0) -> None:
         keys = slice(first_key, first_key + block.shape[-1])
-        dest = self.destination(name, pos, rows, keys)
+        dest = self._view(name, pos, rows, keys)
         if block.data_ptr() != dest.data_ptr():
             dest.copy_(block)
+
+    def finish_layer(self, pos: int) -> None:
+        pass
 
     def read(self, name: str, pos: int, heads: slice, rows: slice) -> Tensor:
         return _float(self.tensors[name][pos, heads, rows])
@@ -266,10 +324,18 @@ class PackedMaps:
                 fd, memoryview(array[head]).cast("B"), base + (head * per_head + first) * size
             )
 
+    def destination(
+        self, name: str, pos: int, rows: slice, keys: slice, dtype: torch.dtype
+    ) -> Tensor | None:
+        return None  # blocks are packed and written to the shard
+
     def finish_layer(self, pos: int) -> None:
         fd = self._fds.pop(pos, None)
         if fd is not None:
             os.close(fd)
+
+    def to(self, device: str) -> PackedMaps:
+        return self  # on disk, read back by memory map
 
     # ---- reading -----------------------------------------------------------------------
     def _reader(self, pos: int) -> Any:
@@ -323,8 +389,22 @@ class LegacyMaps:
             self._handle = safe_open(str(self.path), framework="pt")
         return self._handle
 
+    def start_layer(self, pos: int, causal: bool) -> None:
+        raise TraceFileError(f"{self.path} is read-only")
+
+    def destination(
+        self, name: str, pos: int, rows: slice, keys: slice, dtype: torch.dtype
+    ) -> Tensor | None:
+        raise TraceFileError(f"{self.path} is read-only")
+
     def write(self, name: str, pos: int, rows: slice, block: Tensor, first_key: int = 0) -> None:
         raise TraceFileError(f"{self.path} is read-only")
+
+    def finish_layer(self, pos: int) -> None:
+        raise TraceFileError(f"{self.path} is read-only")
+
+    def to(self, device: str) -> LegacyMaps:
+        return self  # read from the file
 
     def read(self, name: str, pos: int, heads: slice, rows: slice) -> Tensor:
         return _float(self._open().get_slice(name)[pos : pos + 1, heads, rows][0])

@@ -38,8 +38,15 @@ from .capture import (
 )
 from .inputs import InputError, encode, resolve_layers, token_strings
 from .loading import LoadedModel
-from .measures.reductions import DEFAULT_TOP_K, ReductionAccumulator
-from .measures.registry import get_measure, resolve_measures, stored_measures
+from .measures.reductions import DEFAULT_TOP_K, ReductionAccumulator, follows
+from .measures.registry import (
+    AbsoluteOf,
+    RankOne,
+    RowScaled,
+    get_measure,
+    resolve_measures,
+    stored_measures,
+)
 from .results import Trace, prepare_folder, write_metadata
 from .storage import DenseMaps, MapStore, PackedMaps, dtype_name, is_causal, storage_dtype
 
@@ -143,21 +150,20 @@ class TraceRecorder:
         v = self.vectors
         v["key_start"][pos, rows] = start + k0
         v["key_stop"][pos, rows] = stop + k0
-        if isinstance(self.store, PackedMaps) and rows.start == 0:
+        store = self.store
+        if store is not None and rows.start == 0:
             causal = is_causal(v["key_stop"][pos, rows])
-            self.store.start_layer(pos, causal=causal and call.q_len == call.k_len)
+            store.start_layer(pos, causal=causal and call.q_len == call.k_len)
         computed: dict[str, Tensor] = {}
-        direct = isinstance(self.store, DenseMaps) and self.store.dtype == self.dtype
         for name in self.stored:
+            assert store is not None
             measure = get_measure(name)
-            assert self.store is not None
-            if direct and measure.writes_out:
-                assert isinstance(self.store, DenseMaps)
-                dest = self.store.destination(name, pos, rows, keys)
+            dest = store.destination(name, pos, rows, keys, self.dtype)
+            if dest is not None and measure.writes_out:
                 computed[name] = measure.compute(lt, out=dest[None])[0]
             else:
                 computed[name] = measure.compute(lt)[0]
-                self.store.write(name, pos, rows, computed[name], k0)
+                store.write(name, pos, rows, computed[name], k0)
         if self.reducer is not None:
             self._reduce(lt, pos, rows, computed, k0)
         v["bias_share"][pos, rows] = lt.bias_share[0]
@@ -166,35 +172,40 @@ class TraceRecorder:
         v["output_norm"][pos, rows] = lt.output_norm[0]
         v["zero_values"][pos, :, keys] = lt.zero_values[0]
         v["value_norm"][pos, :, keys] = lt.value_norm[0]
-        if isinstance(self.store, PackedMaps) and rows.stop == call.q_len:
-            self.store.finish_layer(pos)
+        if store is not None and rows.stop == call.q_len:
+            store.finish_layer(pos)
         if self.progress is not None:
             self.progress.update(1)
 
     def _reduce(self, lt: Any, pos: int, rows: slice, computed: dict[str, Tensor], k0: int) -> None:
-        """Fold this block into the reductions; measures that are row scalings, absolute
-        values or rank-one products of others reuse those (see ReductionAccumulator)."""
+        """Fold this block into the reductions. A measure whose algebra says how it follows
+        from another traced measure (a row scaling, an absolute value) reuses that one's
+        block; a rank-one measure needs no block at all (see ReductionAccumulator)."""
         assert self.reducer is not None
-        red, names, q0 = self.reducer, self.measures, rows.start
-        shortcuts = {"vw_on": "vw", "ihc": "contribution", "relative_norm": None}
-        blocks: dict[str, Tensor] = {}
-        for name in names:
-            base = shortcuts.get(name, "")
-            if name in shortcuts and (base is None or base in names):
-                continue
-            w = computed.get(name)
-            if w is None:
-                w = get_measure(name).compute(lt)[0]
-            magnitude = red.add(name, pos, q0, w, k0)
-            blocks[name] = magnitude if name == "contribution" else w
-        if "vw_on" in names and "vw" in blocks:
-            inv_o = lt.inv_output_norm[0]
-            red.add_row_scaled("vw_on", "vw", pos, q0, blocks["vw"], inv_o, k0)
-        if "ihc" in names and "contribution" in blocks:
-            red.add_abs_of("ihc", "contribution", pos, q0, blocks["contribution"], k0)
-        if "relative_norm" in names:
-            vn, inv_o, valid = lt.value_norm[0], lt.inv_output_norm[0], lt.valid[0]
-            red.add_rank_one("relative_norm", pos, q0, vn, inv_o, valid, k0)
+        red, q0 = self.reducer, rows.start
+        blocks: dict[str, Tensor] = {}  # each computed measure's block
+        magnitudes: dict[str, Tensor] = {}  # and its |block|, as add() returns it
+        later = []
+        for name in self.measures:
+            algebra = get_measure(name).algebra
+            if isinstance(algebra, RankOne):
+                key_f, query_f = algebra.key_factor(lt)[0], algebra.query_factor(lt)[0]
+                red.add_rank_one(name, pos, q0, key_f, query_f, lt.valid[0], k0)
+            elif follows(name, self.measures) is not None:
+                later.append((name, algebra))
+            else:
+                w = computed.get(name)
+                if w is None:
+                    w = get_measure(name).compute(lt)[0]
+                magnitudes[name] = red.add(name, pos, q0, w, k0)
+                blocks[name] = w
+        for name, algebra in later:
+            assert isinstance(algebra, RowScaled | AbsoluteOf)
+            if isinstance(algebra, RowScaled):
+                scale = algebra.scale(lt)[0]
+                red.add_row_scaled(name, algebra.base, pos, q0, blocks[algebra.base], scale, k0)
+            else:
+                red.add_abs_of(name, algebra.base, pos, q0, magnitudes[algebra.base], k0)
 
 
 def _key_range(valid: Tensor, layer: int, rows: slice) -> tuple[Tensor, Tensor]:
@@ -505,8 +516,8 @@ def trace(
     _run(model, ids, recorder, block_bytes, progress)
     if store is not None:
         store.close()
-    if isinstance(store, DenseMaps):
-        store.to("cpu")
+    if store is not None:
+        store = store.to("cpu")
     result = Trace(
         input_ids=ids.cpu(),
         tokens=token_strings(model, ids),

@@ -311,6 +311,29 @@ def projection(lt: LayerTensors, out: Tensor | None = None) -> Weights:
     return out
 
 
+# Σ_i w_ij over a block of queries, for measures whose sum factorises per key, so that no
+# (B, H, I, T) measure tensor or masked copy is built (faithfulness ranks tokens by these).
+# Each equals the masked column sum of the measure to float rounding where α is 0 outside
+# the mask.
+def attention_column_sums(lt: LayerTensors) -> Float[Tensor, "b h t"]:
+    return lt.probs.sum(-2)  # Σ_i α_ij
+
+
+def vw_column_sums(lt: LayerTensors) -> Float[Tensor, "b h t"]:
+    return lt.value_norm * lt.probs.sum(-2)  # ‖ṽ_j‖ Σ_i α_ij
+
+
+def vw_on_column_sums(lt: LayerTensors) -> Float[Tensor, "b h t"]:
+    # ‖ṽ_j‖ Σ_i α_ij / ‖o_i‖ = ‖ṽ_j‖ · ((1/‖o‖)ᵀ α)_j
+    return lt.value_norm * torch.einsum("bi,bhit->bht", lt.inv_output_norm, lt.probs)
+
+
+def ihc_column_sums(lt: LayerTensors) -> Float[Tensor, "b h t"]:
+    # Σ_i |α_ij ⟨o_i, ṽ_j⟩| / ‖o_i‖²: one elementwise |·| pass, then a weighted column sum
+    dots = (lt.probs * lt.output_dot_values).abs_()
+    return torch.einsum("bi,bhit->bht", lt.inv_output_norm2, dots)
+
+
 # Derived on access, with the arithmetic of the functions above (so bit for bit equal).
 def relative_norm_from(f: Factors) -> Tensor:
     r = f.value_norm * f.inv_output_norm

@@ -13,8 +13,11 @@ it and keeps, per traced layer, head and query or key:
   scales a query by a factor computed from its sums over heads and keys);
 * ``entropy`` and ``entropy_excl_first`` ``(L, H, T)``: per query, the entropy of
   |w_i·| / Σ|w_i·|, with and without token 0 (query 0 has no key then and is 0);
-* ``top_values`` and ``top_keys`` ``(L, H, T, k)``: the k keys with the largest weight
-  per query (largest |w| for signed measures, values kept signed), in decreasing order.
+* ``top_values`` and ``top_keys`` ``(L, H, T, k)``, k slots whatever T is: the k keys
+  with the largest weight per query (largest |w| for signed measures, values kept
+  signed), in decreasing order of |w| (equal values in no set order); the slots left
+  when a query has fewer than k keys of nonzero weight (query i sees at most i + 1 keys)
+  hold key −1 and value 0.
 
 Memory is O(L·H·T·k). The same reductions of a full map (``Trace.token_scores`` on a trace
 with maps) go through the same code, one layer and block at a time, so the two agree to
@@ -26,17 +29,17 @@ float rounding.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
+from ..defaults import DEFAULT_TOP_K  # light: the CLI shows it before torch
 from .aggregates import first_token_weight, later_query_mean, normalised
-from .registry import get_measure
+from .registry import AbsoluteOf, RowScaled, get_measure
 
-DEFAULT_TOP_K = 8
 FIELDS = ("token_sums", "first", "row_sum", "entropy", "entropy_excl_first")
 
 
@@ -92,6 +95,16 @@ class MeasureReductions:
         )
 
 
+def follows(name: str, measures: Sequence[str]) -> str | None:
+    """The measure among ``measures`` whose block ``name``'s reductions follow from (its
+    :class:`~.registry.RowScaled` or :class:`~.registry.AbsoluteOf` base, computed itself),
+    or None when ``name`` is reduced from its own block."""
+    algebra = get_measure(name).algebra
+    if not isinstance(algebra, RowScaled | AbsoluteOf) or algebra.base not in measures:
+        return None
+    return algebra.base if get_measure(algebra.base).algebra is None else None
+
+
 class ReductionAccumulator:
     """Accumulates :class:`MeasureReductions` of several measures block by block."""
 
@@ -108,7 +121,9 @@ class ReductionAccumulator:
         if top_k < 0:
             raise ValueError(f"top_k must be 0 or more, not {top_k}")
         shape = (num_layers, num_heads, num_tokens)
-        self.top_k = min(top_k, num_tokens)
+        # k slots whatever T is: the slots a query cannot fill (it sees fewer keys) are
+        # key −1, value 0, as for a query early in the text
+        self.top_k = top_k
         self.results: dict[str, MeasureReductions] = {}
         # keys fit int16 up to 32,768 tokens (−1 marks an empty slot)
         key_dtype = torch.int16 if num_tokens <= 2**15 else torch.int32
@@ -130,8 +145,9 @@ class ReductionAccumulator:
             )
         # measures whose top keys are another's (vw_on: vw's, row-scaled; ihc: contribution's,
         # |·|) share that tensor instead of a copy
-        for name, base in (("vw_on", "vw"), ("ihc", "contribution")):
-            if name in self.results and base in self.results:
+        for name in measures:
+            base = follows(name, measures)
+            if base is not None and name in self.results:
                 self.results[name].top_keys = self.results[base].top_keys
 
     def add(

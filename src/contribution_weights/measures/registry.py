@@ -17,6 +17,18 @@ norms (:class:`~.layer.Factors`): ``vw = α·‖ṽ_j‖``, ``vw_on = α·‖ṽ
 stored maps (:func:`stored_measures`) and derives the rest when they are read
 (``Measure.recipes``), with exactly the arithmetic of ``Measure.compute``, so a derived
 map equals the computed one bit for bit.
+
+A measure carries its own algebra, so nothing elsewhere lists measure names:
+
+* ``recipes``: how it is read from stored maps (the storage planner picks the fewest maps
+  from which every requested measure can be read, :func:`stored_measures`);
+* ``algebra``: how its reductions follow from another measure's block without computing
+  it (:class:`RowScaled`: ``vw_on = vw / ‖o_i‖``; :class:`AbsoluteOf`: ``ihc = |ĉ|``;
+  :class:`RankOne`: ``relative_norm = ‖ṽ_j‖ · 1/‖o_i‖``);
+* ``column_sums``: Σ_i w_ij per key without the map (faithfulness ranks tokens by these);
+* ``half_precision``: whether float16 storage can hold it (``projection`` is unbounded);
+* ``factor``: a map several measures are read from, preferred when the planner must choose;
+* ``style``: its colour, marker and label in every figure.
 """
 
 # ruff: noqa: F722  (jaxtyping shape strings are not forward references)
@@ -25,11 +37,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import combinations
 
 import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from ..registry import Registry
 from . import layer
 from .layer import Factors, LayerTensors, safe_div
 
@@ -56,6 +70,43 @@ class Recipe:
 
 
 @dataclass(frozen=True)
+class RowScaled:
+    """The measure is ``base`` with each query row scaled by ``scale(lt)`` ≥ 0, ``(B, I)``:
+    its entropies and top keys are ``base``'s, its sums scale."""
+
+    base: str
+    scale: Callable[[LayerTensors], Tensor]
+
+
+@dataclass(frozen=True)
+class AbsoluteOf:
+    """The measure is ``|base|``: its entropies and top keys are ``|base|``'s."""
+
+    base: str
+
+
+@dataclass(frozen=True)
+class RankOne:
+    """The measure is ``key_factor(lt)_j · query_factor(lt)_i`` on the valid pairs
+    (``(B, H, T)`` and ``(B, I)``): its sums are matrix–vector products, no map at all."""
+
+    key_factor: Callable[[LayerTensors], Tensor]
+    query_factor: Callable[[LayerTensors], Tensor]
+
+
+Algebra = RowScaled | AbsoluteOf | RankOne
+
+
+@dataclass(frozen=True)
+class Style:
+    """How figures draw a measure: a matplotlib colour, a marker, and a label."""
+
+    colour: str
+    marker: str = "o"
+    label: str = ""
+
+
+@dataclass(frozen=True)
 class Measure:
     """A per-layer, per-head, query × key quantity.
 
@@ -73,6 +124,12 @@ class Measure:
             and ``ihc``, which is ``|contribution|``, are not).
         writes_out: ``compute(lt, out=dest)`` writes the result into ``dest`` (a trace
             passes its storage, saving a copy of every map).
+        algebra: how its reductions follow from another measure's (module docstring).
+        column_sums: ``LayerTensors -> (B, H, T)`` Σ_i w_ij per key without the map, where
+            the sum factorises (used to rank tokens; None: the map is summed).
+        half_precision: float16 storage can hold it.
+        factor: a map other measures are read from; preferred by the storage planner.
+        style: colour, marker and label in figures (None: the next colour of the cycle).
     """
 
     name: str
@@ -84,6 +141,11 @@ class Measure:
     derived_only: bool = False
     in_all: bool = True
     writes_out: bool = False
+    algebra: Algebra | None = None
+    column_sums: Callable[[LayerTensors], Tensor] | None = None
+    half_precision: bool = True
+    factor: bool = False
+    style: Style | None = None
 
     @property
     def is_weight(self) -> bool:
@@ -106,26 +168,20 @@ class Measure:
         return "computed" + (f", or derived {', or '.join(ways)}" if ways else "")
 
 
-_MEASURES: dict[str, Measure] = {}
+MEASURES: Registry[Measure] = Registry("measure", in_all=lambda m: m.in_all)
 
 
 def register_measure(measure: Measure) -> Measure:
     """Add (or replace) a measure; it becomes available everywhere by its name."""
-    _MEASURES[measure.name] = measure
-    return measure
+    return MEASURES.register(measure)
 
 
 def get_measure(name: str) -> Measure:
-    try:
-        return _MEASURES[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown measure {name!r}; valid measures: {', '.join(measure_names())}"
-        ) from None
+    return MEASURES.get(name)
 
 
 def measure_names() -> list[str]:
-    return list(_MEASURES)
+    return MEASURES.names()
 
 
 def resolve_measures(measures: str | Iterable[str] | None) -> list[str]:
@@ -134,19 +190,7 @@ def resolve_measures(measures: str | Iterable[str] | None) -> list[str]:
 
     ``"all"`` is every measure marked ``in_all`` (not ``distance`` nor ``ihc``).
     """
-    if measures is None or measures == "all":
-        return [m for m in measure_names() if _MEASURES[m].in_all]
-    if isinstance(measures, str):
-        measures = [m.strip() for m in measures.split(",") if m.strip()]
-    names: list[str] = []
-    for name in measures:
-        for one in resolve_measures("all") if name == "all" else [name]:  # "all,distance"
-            get_measure(one)
-            if one not in names:
-                names.append(one)
-    if not names:
-        raise ValueError(f"no measure named; valid measures: {', '.join(measure_names())}")
-    return names
+    return MEASURES.resolve(measures)
 
 
 _RELATIVE_NORM = Recipe((), layer.relative_norm_from)
@@ -161,7 +205,13 @@ _IHC = (
 
 for _m in (
     Measure(
-        "attention", layer.attention, "attention probability α", _divide_by_heads, writes_out=True
+        "attention",
+        layer.attention,
+        "attention probability α",
+        _divide_by_heads,
+        writes_out=True,
+        column_sums=layer.attention_column_sums,
+        style=Style("tab:blue", "o"),
     ),
     Measure(
         "contribution",
@@ -171,6 +221,7 @@ for _m in (
         signed=True,
         recipes=(_CONTRIBUTION,),
         writes_out=True,
+        style=Style("tab:red", "P"),
     ),
     Measure(
         "intra",
@@ -179,6 +230,7 @@ for _m in (
         _divide_by_heads,
         signed=True,
         writes_out=True,
+        style=Style("tab:brown", "<"),
     ),
     Measure(
         "relative_norm",
@@ -186,6 +238,8 @@ for _m in (
         "relative norm r = ‖ṽ_j‖/‖o_i‖",
         recipes=(_RELATIVE_NORM,),
         derived_only=True,
+        algebra=RankOne(lambda lt: lt.value_norm, lambda lt: lt.inv_output_norm),
+        style=Style("tab:cyan", ">"),
     ),
     Measure(
         "cosine",
@@ -194,6 +248,7 @@ for _m in (
         signed=True,
         recipes=(_COSINE,),
         writes_out=True,
+        style=Style("tab:olive", "*"),
     ),
     Measure(
         "vw",
@@ -202,6 +257,8 @@ for _m in (
         _per_query_sum,
         recipes=(_VW,),
         derived_only=True,
+        column_sums=layer.vw_column_sums,
+        style=Style("tab:orange", "s"),
     ),
     Measure(
         "vw_on",
@@ -210,6 +267,9 @@ for _m in (
         _per_query_sum,
         recipes=(_VW_ON,),
         derived_only=True,
+        algebra=RowScaled("vw", lambda lt: lt.inv_output_norm),
+        column_sums=layer.vw_on_column_sums,
+        style=Style("tab:green", "^"),
     ),
     Measure(
         "distance",
@@ -217,6 +277,7 @@ for _m in (
         "distance-based (Ferrando et al. 2022); T²·d per head, only when named",
         _as_is,
         in_all=False,
+        style=Style("tab:purple", "v"),
     ),
     Measure(
         "ihc",
@@ -226,6 +287,9 @@ for _m in (
         recipes=_IHC,
         derived_only=True,
         in_all=False,
+        algebra=AbsoluteOf("contribution"),
+        column_sums=layer.ihc_column_sums,
+        style=Style("tab:red", "D"),
     ),
     Measure(
         "projection",
@@ -234,6 +298,9 @@ for _m in (
         signed=True,
         in_all=False,
         writes_out=True,
+        half_precision=False,  # p = r·κ is unbounded as ‖o_i‖ → 0
+        factor=True,
+        style=Style("tab:gray", "x"),
     ),
 ):
     register_measure(_m)
@@ -247,31 +314,58 @@ def stored_measures(names: Sequence[str], dtype: torch.dtype = torch.float32) ->
     """The maps a trace of ``names`` computes and keeps, in registry order; the other
     measures are derived from them when read (:attr:`Measure.recipes`).
 
-    With the attention α kept (for ``attention``, ``vw`` or ``vw_on``), the contribution
-    and the cosine both come from one more map, p = ⟨o_i, ṽ_j⟩/‖o_i‖² (ĉ = α·p and
-    κ = p·‖o_i‖/‖ṽ_j‖, the very arithmetic of computing them), unless the storage dtype is
-    float16, whose range p (= r·κ, unbounded as ‖o_i‖ → 0) may exceed.
+    The fewest maps from which every requested measure is stored or read by a recipe.
+    Among equally few: the most shared factors (:attr:`Measure.factor`: with α kept, ĉ and
+    κ both come from p = ⟨o_i, ṽ_j⟩/‖o_i‖², the very arithmetic of computing them), then
+    the maps from which the most registered measures can be read (α and p rather than ĉ
+    and p), then the fewest maps nobody asked for, then registry order. A map that float16
+    cannot hold (:attr:`Measure.half_precision`) is kept in float16 only when asked for by
+    name.
     """
-    wanted = set(names)
-    stored: set[str] = set()
-    if wanted & {"attention", "vw", "vw_on"}:
-        stored.add("attention")
-    pairs = wanted & {"contribution", "ihc"} and "attention" in stored
-    if dtype != torch.float16 and ("cosine" in wanted or pairs):
-        stored.add("projection")
-        if wanted & {"contribution", "ihc"}:
-            stored.add("attention")
-    for name in names:
-        m = get_measure(name)
-        if name in stored or m.recipe(stored) is not None:
-            continue
-        stored.update(m.recipes[0].sources if m.derived_only else (name,))
-    return [m for m in measure_names() if m in stored]
+    wanted = list(dict.fromkeys(names))
+    order = {name: i for i, name in enumerate(measure_names())}
+    by_name = {m.name: m for m in MEASURES}
+    half = dtype == torch.float16
+    candidates: set[str] = {n for n in wanted if not get_measure(n).derived_only}
+    for name in wanted:
+        for recipe in get_measure(name).recipes:
+            candidates.update(recipe.sources)
+    candidates = {
+        c
+        for c in candidates
+        if not get_measure(c).derived_only
+        and (c in wanted or not half or get_measure(c).half_precision)
+    }
+    ranked = sorted(candidates, key=order.__getitem__)
+
+    def serves(stored: frozenset[str]) -> bool:
+        return all(n in stored or get_measure(n).recipe(stored) is not None for n in wanted)
+
+    def cost(stored: frozenset[str]) -> tuple[int, int, int, int, tuple[int, ...]]:
+        factors = sum(get_measure(n).factor for n in stored)
+        reach = sum(n in stored or m.recipe(stored) is not None for n, m in by_name.items())
+        unasked = len(stored - set(wanted))
+        return len(stored), -factors, -reach, unasked, tuple(sorted(order[n] for n in stored))
+
+    for size in range(len(ranked) + 1):
+        choices = [frozenset(c) for c in combinations(ranked, size)]
+        fitting = [c for c in choices if serves(c)]
+        if fitting:
+            best: frozenset[str] = min(fitting, key=cost)
+            return sorted(best, key=order.__getitem__)
+    missing = [n for n in wanted if get_measure(n).recipe(candidates) is None]
+    raise ValueError(f"no stored maps can give {', '.join(missing)}; give it a recipe")
 
 
 __all__ = [
+    "MEASURES",
+    "AbsoluteOf",
+    "Algebra",
     "Measure",
+    "RankOne",
     "Recipe",
+    "RowScaled",
+    "Style",
     "compute_measures",
     "get_measure",
     "measure_names",

@@ -16,20 +16,9 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from .figures import finish
+from .figures import finish, measure_style
 
-MEASURE_STYLE = {
-    "attention": ("tab:blue", "o"),
-    "vw": ("tab:orange", "s"),
-    "vw_on": ("tab:green", "^"),
-    "ihc": ("tab:red", "D"),
-    "distance": ("tab:purple", "v"),
-}
 LOG_RANGE = 20.0  # use a log y axis when the positive values span more than this factor
-
-
-def _style(measure: str, i: int) -> tuple[str, str]:
-    return MEASURE_STYLE.get(measure, (f"C{(i + 5) % 10}", "x"))
 
 
 def wants_log_scale(values: np.ndarray) -> bool:
@@ -63,7 +52,7 @@ def _by_measure(
     """One rate: a point per measure (categorical x), with its error bar."""
     names = [str(m) for m in part["measure"]]
     for i, name in enumerate(names):
-        color, marker = _style(name, i)
+        color, marker = measure_style(name, i)
         y = float(part[value].iloc[i])
         err = None if se is None else (se[:, i : i + 1] if se.ndim == 2 else [[se[i]], [se[i]]])
         ax.errorbar([i], [y], yerr=err, fmt=marker, color=color, capsize=4, ms=7, label=name)
@@ -92,7 +81,7 @@ def plot_faithfulness(
             groups = list(part.groupby("measure", sort=False))
             for i, (measure, g) in enumerate(groups):
                 g = g.sort_values("rate")
-                color, marker = _style(str(measure), i)
+                color, marker = measure_style(str(measure), i)
                 shift = _dodge(part["rate"].to_numpy(float), i, len(groups))
                 ax.errorbar(
                     g["rate"].to_numpy(float) + shift,
@@ -146,7 +135,7 @@ def plot_faithfulness_runs(
                 g = part[part["measure"] == measure].sort_values("rate")
                 if g.empty:
                     continue
-                color, marker = _style(str(measure), i)
+                color, marker = measure_style(str(measure), i)
                 slot = k * len(measures) + i
                 shift = _dodge(g["rate"].to_numpy(float), slot, len(runs) * len(measures))
                 ax.errorbar(
@@ -166,8 +155,9 @@ def plot_faithfulness_runs(
         ax.set_ylabel(f"{name} (mean ± 1 s.e.)")
         ax.grid(alpha=0.3)
     handles = [
-        plt.Line2D([], [], color=_style(str(m), i)[0], marker=_style(str(m), i)[1], label=str(m))
+        plt.Line2D([], [], color=c, marker=mk, label=str(m))
         for i, m in enumerate(measures)
+        for c, mk in [measure_style(str(m), i)]
     ] + [
         plt.Line2D([], [], color="black", linestyle=RUN_STYLES[k], label=label)
         for k, label in enumerate(runs)
@@ -212,7 +202,7 @@ def plot_downstream(
             groups = list(part.groupby("measure", sort=False))
             for i, (measure, g) in enumerate(groups):
                 g = g.sort_values("rate")
-                color, marker = _style(str(measure), i)
+                color, marker = measure_style(str(measure), i)
                 acc = g["accuracy"].to_numpy(float)
                 shift = _dodge(part["rate"].to_numpy(float), i, len(groups))
                 ax.errorbar(

@@ -31,6 +31,17 @@ CLIP_PERCENTILE = 99.5  # colour limits: this percentile of |w| (larger values s
 MASKED = "#eceef2"  # keys after the query (not attended), as in the HTML report
 
 
+def measure_style(measure: str, i: int = 0) -> tuple[str, str]:
+    """A measure's colour and marker, the same in every figure (:attr:`Measure.style`);
+    a measure registered without one, or a name that is no measure (a baseline), takes a
+    colour of the cycle by its position ``i``."""
+    try:
+        style = get_measure(measure).style
+    except ValueError:
+        style = None
+    return (style.colour, style.marker) if style is not None else (f"C{(i + 5) % 10}", "x")
+
+
 def save(fig: Figure, path: str | Path, dpi: int = 130) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -190,9 +201,11 @@ def plot_first_token_weight(trace: Trace, measures: Sequence[str] = FIRST_TOKEN_
             "trace with them to plot this"
         )
     fig, ax = plt.subplots(figsize=(7, 3.6))
-    for name in names:
+    for i, name in enumerate(names):
         values = trace.first_token_weight(name)
-        ax.plot(trace.layers, values, marker="o", ms=3, label=f"{name} (mean {values.mean():.3f})")
+        colour, marker = measure_style(name, i)
+        label = f"{name} (mean {values.mean():.3f})"
+        ax.plot(trace.layers, values, marker=marker, ms=3, color=colour, label=label)
     ax.set_xlabel("layer")
     ax.set_ylabel("weight on token 0")
     ax.set_ylim(bottom=min(0.0, ax.get_ylim()[0]))

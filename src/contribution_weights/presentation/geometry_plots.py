@@ -27,9 +27,8 @@ from ..experiments.geometry_result import (
     get_analysis,
     norm_fit_summary,
 )
-from .figures import save
+from .figures import measure_style, save
 
-COLOURS = {"attention": "tab:red", "vw": "tab:orange", "contribution": "tab:blue"}
 FIGURES = (
     "first_token_weight",
     "sink_alignment",
@@ -42,8 +41,9 @@ FIGURES = (
 
 def plot_first_token_weight(by_layer: pd.DataFrame, title: str = "") -> Figure:
     fig, ax = plt.subplots(figsize=(6, 3.2))
-    for m in by_layer.columns:
-        ax.plot(by_layer.index, by_layer[m], marker=".", label=m, color=COLOURS.get(m))
+    for i, m in enumerate(by_layer.columns):
+        colour, _ = measure_style(m, i)
+        ax.plot(by_layer.index, by_layer[m], marker=".", label=m, color=colour)
     ax.set(xlabel="layer", ylabel="first-token weight E[w_0]", title=f"First-token weight {title}")
     ax.legend()
     ax.grid(alpha=0.3)
