@@ -197,7 +197,9 @@ def test_bad_ratio_is_a_clear_error(ratio: Any) -> None:
 def test_bad_method_is_a_clear_error() -> None:
     model = tiny_model("llama")
     pre = kv.prefill(model, _ids(T, seed=9), window=WINDOW)
-    with pytest.raises(ValueError, match=r"unknown KV-cache method 'nope'; valid KV-cache methods: .*h2o"):
+    with pytest.raises(
+        ValueError, match=r"unknown KV-cache method 'nope'; valid KV-cache methods: .*h2o"
+    ):
         kv.compress(pre, "nope", 0.5)
     with pytest.raises(ValueError, match="unknown KV-cache method"):
         kv.resolve_methods("h2o,nope")
@@ -301,3 +303,106 @@ def test_cli_rejects_bad_ratios_and_methods_before_loading(tmp_path: Any, capsys
     assert "unknown KV-cache method 'zzz'" in capsys.readouterr().err
     assert main(["kv-eval", "--task", "lm", "--out", out]) == 2
     assert "--dataset NAME or --texts" in capsys.readouterr().err
+
+
+def test_kv_eval_of_one_item_warns_that_standard_errors_need_two(tmp_path, capsys, monkeypatch):
+    from contribution_weights.cli import main
+    from contribution_weights.experiments.kv_eval import KVEvalOptions, kv_eval
+    from contribution_weights.experiments.result import FewSamplesWarning
+
+    model = tiny_model("llama")
+    opts = KVEvalOptions(task="passkey", methods="h2o", ratios=[0, 0.5], context_tokens=256,
+                         n=1, window=8)  # fmt: skip
+    with pytest.warns(FewSamplesWarning, match=r"only 1 item: .*accuracy_se"):
+        kv_eval(model, options=opts, progress=False)
+    monkeypatch.setattr("contribution_weights.loading.load_model", lambda *a, **k: model)
+    capsys.readouterr()
+    argv = ["kv-eval", "--task", "passkey", "--n", "1", "--methods", "h2o", "--ratios", "0,0.5",
+            "--context-tokens", "256", "--out", str(tmp_path / "o")]  # fmt: skip
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "cw kv-eval: warning: only 1 item:" in err and "--n 2 or more" in err
+
+
+def test_a_prefill_gathers_only_what_its_methods_need() -> None:
+    model = tiny_model("llama", dtype=torch.float64)
+    ids = _ids(T, seed=11)
+    light = kv.prefill(model, ids, window=WINDOW, methods=["knorm", "streaming_llm"])
+    for stats in light.stats.values():
+        assert stats.attn_sum is None and stats.window_probs is None
+        assert stats.window_contribution is None and stats.projected_value_norm is None
+    full = kv.prefill(model, ids, window=WINDOW)
+    for method in ("knorm", "streaming_llm"):
+        a, b = kv.compress(light, method, 0.5), kv.compress(full, method, 0.5)
+        assert all(torch.equal(a.kept[i], b.kept[i]) for i in a.kept)
+    with pytest.raises(ValueError, match=r"did not gather attn_sum.*methods="):
+        kv.compress(light, "h2o", 0.5)
+    only_h2o = kv.prefill(model, ids, window=WINDOW, methods=["h2o"])
+    assert all(s.attn_sum is not None and s.window_probs is None for s in only_h2o.stats.values())
+
+
+def test_methods_are_parameterised_units() -> None:
+    """A method's window is a field: SnapKV(window=4) on an 8-query observation window keeps
+    what SnapKV keeps after a 4-query prefill; likewise contribution, whose shorter window
+    the prefill sums separately."""
+    model = tiny_model("qwen2", dtype=torch.float64)
+    ids = _ids(T, seed=12)
+    short = kv.prefill(model, ids, window=4)
+    snap4 = kv.SnapKV("snapkv4", window=4, kernel=3)
+    contrib4 = kv.Contribution("contribution4", window=4, sinks=2)
+    wide = kv.prefill(model, ids, window=WINDOW, methods=[snap4, contrib4])
+    pairs = [(snap4, kv.SnapKV("s", kernel=3)), (contrib4, kv.Contribution("c", sinks=2))]
+    for unit, default in pairs:
+        got, want = kv.compress(wide, unit, 0.5), kv.compress(short, default, 0.5)
+        assert got.method == unit.name
+        for i in want.kept:
+            assert torch.equal(got.kept[i], want.kept[i]), (unit.name, i)
+    with pytest.raises(ValueError, match="window=16"):
+        kv.prefill(model, ids, window=WINDOW, methods=[kv.SnapKV("s16", window=16)])
+    with pytest.raises(TypeError, match="description must be text"):
+        kv.Method("old_style", lambda s: s.keys)  # type: ignore[arg-type]
+    assert all("64" not in m.description for m in kv.METHODS)  # windows are parameters
+    reverse = kv.Method.of(
+        "reverse_h2o", lambda s: -s.per_kv_head(s.need("attn_sum")), "H2O upside down",
+        needs=("attn_sum",),
+    )  # fmt: skip
+    pre = kv.prefill(model, ids, window=WINDOW, methods=[reverse])
+    assert all(s.window_probs is None for s in pre.stats.values())
+    flipped, h2o = kv.compress(pre, reverse, 0.5), kv.compress(pre, "h2o", 0.5)
+    assert any(not torch.equal(flipped.kept[i], h2o.kept[i]) for i in h2o.kept)
+
+
+def test_a_method_registered_from_outside_runs_in_kv_eval(tmp_path: Any, capsys: Any) -> None:
+    from dataclasses import dataclass
+
+    from tiny_models import save_tiny
+
+    from contribution_weights.cli import main
+
+    @dataclass(frozen=True)
+    class LastKeys(kv.Method):
+        """Keep the latest keys (a test method): score = position."""
+
+        needs = ()
+
+        def score(self, stats: kv.LayerStats) -> Tensor:
+            t = stats.length
+            pos = torch.arange(t, dtype=torch.float64, device=stats.keys.device)
+            return pos.expand(*stats.keys.shape[:2], t)
+
+    kv.register_method(LastKeys("last_keys", "the most recent keys"))
+    try:
+        folder = save_tiny("llama", tmp_path / "model")
+        texts = tmp_path / "texts.jsonl"
+        lines = [json.dumps({"text": word * 60}) for word in ("abcdefghij", "klmnopqrst")]
+        texts.write_text("\n".join(lines) + "\n")
+        out = tmp_path / "run"
+        code = main(["kv-eval", "--model", str(folder), "--texts", str(texts), "--methods",
+                     "last_keys,h2o", "--ratios", "0,0.5", "--context-tokens", "128",
+                     "--n", "2", "--out", str(out)])  # fmt: skip
+        assert code == 0, capsys.readouterr().err
+        rows = pd.read_csv(out / "per_item.csv")
+        assert set(rows["method"]) == {"none", "last_keys", "h2o"}
+        assert "last_keys" in (out / "summary.csv").read_text()
+    finally:
+        kv.METHODS.unregister("last_keys")

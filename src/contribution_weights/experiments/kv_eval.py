@@ -22,17 +22,19 @@ from typing import Any
 import pandas as pd
 import torch
 
+from ..defaults import KV_RATIOS, KV_TASKS  # light: the CLI shows them before torch
 from ..kv import compress, prefill, resolve_methods
 from ..kv.cache import check_ratio
 from ..kv.evaluate import lm_item, lm_items, lm_score, passkey_items, passkey_score
 from ..kv.methods import WINDOW
 from ..loading import LoadedModel
 from ..runs import fingerprint
+from .result import warn_few_samples
 from .runner import Experiment, Phase, run_experiment
 
-TASKS = ("lm", "passkey")
+TASKS = KV_TASKS
 METRIC = {"lm": "nll", "passkey": "accuracy"}
-DEFAULT_RATIOS = (0.0, 0.25, 0.5, 0.75, 0.9)
+DEFAULT_RATIOS = KV_RATIOS
 PER_ITEM = "per_item.csv"
 SUMMARY = "summary.csv"
 SUMMARY_DEPTH = "summary_depth.csv"
@@ -194,7 +196,7 @@ def item_rows(model: LoadedModel, item: Any, opts: KVEvalOptions) -> list[dict[s
     """One row per (method, ratio) configuration of one item."""
     context = item.context if opts.task == "passkey" else item[0]
     started = time.perf_counter()
-    pre = prefill(model, context, opts.window, seed=opts.seed)
+    pre = prefill(model, context, opts.window, seed=opts.seed, methods=opts.methods)
     prefill_s = time.perf_counter() - started
     rows = []
     for method, ratio in opts.configurations():
@@ -303,4 +305,6 @@ def kv_eval(
     if opts.task == "lm" and not texts:
         raise ValueError("the lm task needs texts: pass --dataset or --texts")
     experiment = KVEval(model, texts, opts, source)
+    se = "accuracy_se" if opts.task == "passkey" else "nll_se, delta_se"
+    warn_few_samples(len(experiment.items), "item", se)
     return run_experiment(experiment, out, resume=resume, progress=progress)

@@ -12,6 +12,10 @@ evicted, and generation continues on the compressed cache::
     out = small.forward(model.model, next_ids)          # positions continue at T
     new = small.generate(model.model, next_ids, max_new_tokens=20)
 
+A method is a frozen dataclass with its parameters as fields (``cw.kv.SnapKV(name="snapkv32",
+window=32)``); register one with :func:`register_method`, or pass the instance itself to
+:func:`prefill` (``methods=[...]``: gather only what they need) and :func:`compress`.
+
 Modules: :mod:`.methods` (the registry, pure maths on per-layer statistics),
 :mod:`.scoring` (the prefill on the capture path), :mod:`.cache` (eviction and positions),
 :mod:`.evaluate` (the language-modelling and passkey tasks behind ``cw kv-eval``).
@@ -19,8 +23,20 @@ Modules: :mod:`.methods` (the registry, pure maths on per-layer statistics),
 
 from .cache import CompressedCache, check_ratio, compress, kept_positions, n_kept
 from .methods import (
+    H2O,
+    METHODS,
+    TOVA,
+    VATP,
+    Contribution,
+    KNorm,
     LayerStats,
     Method,
+    ObservedAttention,
+    Random,
+    SnapKV,
+    StreamingLLM,
+    VATPProjected,
+    WindowAttention,
     get_method,
     method_names,
     register_method,
@@ -29,11 +45,23 @@ from .methods import (
 from .scoring import Prefill, StatsObserver, compressible_layers, prefill
 
 __all__ = [
+    "H2O",
+    "METHODS",
+    "TOVA",
+    "VATP",
     "CompressedCache",
+    "Contribution",
+    "KNorm",
     "LayerStats",
     "Method",
+    "ObservedAttention",
     "Prefill",
+    "Random",
+    "SnapKV",
     "StatsObserver",
+    "StreamingLLM",
+    "VATPProjected",
+    "WindowAttention",
     "check_ratio",
     "compress",
     "compressible_layers",

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .methods import get_method
+from .methods import Method, get_method
 from .scoring import Prefill
 
 
@@ -114,7 +114,7 @@ def kept_positions(scores: Tensor, ratio: float) -> Tensor:
     return scores.topk(k, dim=-1).indices.sort(dim=-1).values
 
 
-def compress(prefill: Prefill, method: str, ratio: float) -> CompressedCache:
+def compress(prefill: Prefill, method: str | Method, ratio: float) -> CompressedCache:
     """A copy of ``prefill.cache`` with ``ratio`` of each KV head's entries evicted by ``method``.
 
     Ratio 0 returns an untouched copy. The prefill's cache itself is never changed, so one
@@ -123,7 +123,7 @@ def compress(prefill: Prefill, method: str, ratio: float) -> CompressedCache:
     ratio = check_ratio(ratio)
     spec = get_method(method)
     cache = copy.deepcopy(prefill.cache)
-    result = CompressedCache(cache=cache, length=prefill.length, method=method, ratio=ratio)
+    result = CompressedCache(cache=cache, length=prefill.length, method=spec.name, ratio=ratio)
     if not prefill.stats:
         raise ValueError(
             "this model has no layer whose cache can be compressed (all are sliding-window)"
@@ -139,7 +139,7 @@ def compress(prefill: Prefill, method: str, ratio: float) -> CompressedCache:
         scores = spec.score(stats)
         if scores.shape != layer.keys.shape[:-1]:
             raise RuntimeError(
-                f"method {method!r} scored shape {tuple(scores.shape)} at layer {idx}, "
+                f"method {spec.name!r} scored shape {tuple(scores.shape)} at layer {idx}, "
                 f"expected {tuple(layer.keys.shape[:-1])}"
             )
         keep = kept_positions(scores, ratio)

@@ -43,7 +43,8 @@ rank alike) because one cached key/value serves the whole group.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from jaxtyping import Float
@@ -59,6 +60,11 @@ KERNEL = 5
 Scores = Float[Tensor, "b g t"]
 
 
+#: what a prefill can gather for the methods (each a field of :class:`LayerStats`); the
+#: cached keys and values are always there
+STATISTICS = ("attn_sum", "window_probs", "window_contribution", "projected_value_norm")
+
+
 @dataclass
 class LayerStats:
     """What one attention layer showed during a prefill of ``T`` tokens (see :mod:`.scoring`).
@@ -66,19 +72,25 @@ class LayerStats:
     Attributes:
         keys: ``(B, G, T, d_h)`` cached keys (after RoPE), values ``(B, G, T, d_h)``.
         attn_sum: ``(B, H, T)`` Σ_i α_ij over every prefill query.
-        window_probs: ``(B, H, w, T)`` α of the last ``w`` queries.
+        window_probs: ``(B, H, w, T)`` α of the last ``w`` queries (the observation window).
         window_contribution: ``(B, H, T)`` Σ_i |ĉ_ij^(h)| over the last ``w`` queries.
         projected_value_norm: ``(B, H, T)`` ‖W_O^(h) v_j‖.
         seed: for ``random``.
+        contribution_by_window: Σ_i |ĉ_ij^(h)| over the last ``n`` queries, for the windows
+            ``n`` of methods whose own window is shorter than the observation window.
+
+    A statistic no chosen method needs is None (:func:`~.scoring.prefill` skips it).
     """
 
     keys: Float[Tensor, "b g t dh"]
     values: Float[Tensor, "b g t dh"]
-    attn_sum: Float[Tensor, "b h t"]
-    window_probs: Float[Tensor, "b h w t"]
-    window_contribution: Float[Tensor, "b h t"]
-    projected_value_norm: Float[Tensor, "b h t"]
+    attn_sum: Float[Tensor, "b h t"] | None = None
+    window_probs: Float[Tensor, "b h w t"] | None = None
+    window_contribution: Float[Tensor, "b h t"] | None = None
+    projected_value_norm: Float[Tensor, "b h t"] | None = None
     seed: int = 0
+    window: int = WINDOW
+    contribution_by_window: dict[int, Tensor] = field(default_factory=dict)
 
     @property
     def num_kv_heads(self) -> int:
@@ -88,24 +100,115 @@ class LayerStats:
     def length(self) -> int:
         return self.keys.shape[2]
 
-    @property
-    def window(self) -> int:
-        return self.window_probs.shape[2]
-
     def per_kv_head(self, x: Float[Tensor, "b h t"], reduce: str = "mean") -> Scores:
         """``(B, H, T)`` → ``(B, G, T)`` over the query heads of each KV group."""
         b, h, t = x.shape
         grouped = x.reshape(b, self.num_kv_heads, h // self.num_kv_heads, t)
         return grouped.sum(2) if reduce == "sum" else grouped.mean(2)
 
+    def need(self, name: str) -> Tensor:
+        """A statistic, or a clear error when the prefill did not gather it."""
+        value = getattr(self, name)
+        if value is None:
+            raise ValueError(
+                f"the prefill did not gather {name}; prefill with the methods you will "
+                "compress by (cw.kv.prefill(model, ids, methods=[...]))"
+            )
+        return value
 
+    def probs_of_window(self, window: int | None) -> Tensor:
+        """``(B, H, w, T)``: α of the last ``window`` queries (None: the whole window)."""
+        probs = self.need("window_probs")
+        w = self._window(window)
+        return probs[:, :, probs.shape[2] - w :]
+
+    def contribution_of_window(self, window: int | None) -> Tensor:
+        """``(B, H, T)``: Σ |ĉ| over the last ``window`` queries (None: the whole window)."""
+        w = self._window(window)
+        if w == self.window_size:
+            return self.need("window_contribution")
+        if w not in self.contribution_by_window:
+            raise ValueError(
+                f"the prefill gathered no contribution over the last {w} queries; prefill "
+                "with the methods you will compress by (cw.kv.prefill(model, ids, methods=[...]))"
+            )
+        return self.contribution_by_window[w]
+
+    @property
+    def window_size(self) -> int:
+        """Queries in the observation window (fewer than ``window`` for a short prefill)."""
+        return min(self.window, self.length)
+
+    def _window(self, window: int | None) -> int:
+        if window is None:
+            return self.window_size
+        if window > self.window:
+            raise ValueError(
+                f"a method's window of {window} queries exceeds the prefill's observation "
+                f"window of {self.window}; prefill with window={window} or more"
+            )
+        return min(window, self.length)
+
+
+# ---- methods -----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Method:
-    """A named eviction score: ``LayerStats -> (B, G, T)``, higher = keep."""
+    """A named eviction score ``LayerStats -> (B, G, T)``, higher = keep.
+
+    Subclasses add their parameters as fields and override :meth:`score`; ``needs`` names
+    the statistics it reads (:data:`STATISTICS`). ``window`` (on methods that look at the
+    observation window) is a number of the last prefill queries, None for the prefill's
+    whole window.
+    """
 
     name: str
-    score: Callable[[LayerStats], Tensor]
-    description: str
+    description: str = ""
+    needs: ClassVar[tuple[str, ...]] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.description, str):
+            raise TypeError(
+                f"method {self.name!r}: description must be text; a score function goes in a "
+                "Method subclass's score() (or Method.of(name, function, description))"
+            )
+
+    def score(self, stats: LayerStats) -> Scores:
+        raise NotImplementedError(f"{type(self).__name__} has no score()")
+
+    @property
+    def window_queries(self) -> int | None:
+        """The observation-window queries it reads (None: the prefill's whole window)."""
+        return getattr(self, "window", None)
+
+    @staticmethod
+    def of(
+        name: str,
+        score: Callable[[LayerStats], Tensor],
+        description: str = "",
+        needs: tuple[str, ...] = STATISTICS,
+    ) -> Method:
+        """A method from a plain function of the statistics (gathers every statistic
+        unless ``needs`` says which it reads)."""
+        return _FunctionMethod(name, description, function=score, function_needs=needs)
+
+
+@dataclass(frozen=True)
+class _FunctionMethod(Method):
+    function: Callable[[LayerStats], Tensor] | None = None
+    function_needs: tuple[str, ...] = STATISTICS
+
+    @property
+    def gathers(self) -> tuple[str, ...]:
+        return self.function_needs
+
+    def score(self, stats: LayerStats) -> Scores:
+        assert self.function is not None
+        return self.function(stats)
+
+
+def method_needs(method: Method) -> tuple[str, ...]:
+    """The statistics a method reads (its class's ``needs``, or a function method's own)."""
+    return tuple(getattr(method, "gathers", type(method).needs))
 
 
 METHODS: Registry[Method] = Registry("KV-cache method")
@@ -116,8 +219,9 @@ def register_method(method: Method) -> Method:
     return METHODS.register(method)
 
 
-def get_method(name: str) -> Method:
-    return METHODS.get(name)
+def get_method(name: str | Method) -> Method:
+    """A registered method by name (a :class:`Method` instance is returned as it is)."""
+    return name if isinstance(name, Method) else METHODS.get(name)
 
 
 def method_names() -> list[str]:
@@ -141,102 +245,177 @@ def _protect_last(scores: Scores, n: int) -> Scores:
 
 def _protect_first(scores: Scores, n: int) -> Scores:
     """Give the first ``n`` positions a score above every other, including protected ones."""
+    if n <= 0:
+        return scores
     out = scores.clone()
     out[..., :n] = scores.max() + 2
     return out
 
 
-def _window_keys(stats: LayerStats) -> int:
+def _window_keys(stats: LayerStats, window: int | None) -> int:
     """Keys of the observation window (all but one position when the prefill is shorter)."""
-    return min(stats.window, stats.length - 1)
+    return min(stats._window(window), stats.length - 1)
+
+
+def _window_text(window: int | None) -> str:
+    return f"the last {window} queries" if window else "the observation window's queries"
 
 
 # ---- the methods -------------------------------------------------------------------------
-def streaming_llm(stats: LayerStats) -> Scores:
-    t = stats.length
-    pos = torch.arange(t, device=stats.keys.device, dtype=torch.float64)
-    scores = pos.expand(stats.keys.shape[0], stats.num_kv_heads, t).clone()
-    scores[..., :N_SINK] = t + 1.0  # sinks outrank every recent token
-    return scores
+@dataclass(frozen=True)
+class StreamingLLM(Method):
+    """Xiao et al. 2023: the first ``sinks`` tokens plus the most recent ones."""
+
+    sinks: int = N_SINK
+
+    def score(self, stats: LayerStats) -> Scores:
+        t = stats.length
+        pos = torch.arange(t, device=stats.keys.device, dtype=torch.float64)
+        scores = pos.expand(stats.keys.shape[0], stats.num_kv_heads, t).clone()
+        scores[..., : self.sinks] = t + 1.0  # sinks outrank every recent token
+        return scores
 
 
-def h2o(stats: LayerStats) -> Scores:
-    return stats.per_kv_head(stats.attn_sum)
+@dataclass(frozen=True)
+class H2O(Method):
+    """Zhang et al. 2023: attention accumulated over every prefill query."""
+
+    needs = ("attn_sum",)
+
+    def score(self, stats: LayerStats) -> Scores:
+        return stats.per_kv_head(stats.need("attn_sum"))
 
 
-def observed_attention(stats: LayerStats) -> Scores:
-    t = stats.length
-    seen_by = torch.arange(t, 0, -1, device=stats.attn_sum.device, dtype=stats.attn_sum.dtype)
-    return stats.per_kv_head(stats.attn_sum / seen_by)
+@dataclass(frozen=True)
+class ObservedAttention(Method):
+    """kvpress's H2O: accumulated attention / the number of queries that see the key."""
+
+    needs = ("attn_sum",)
+
+    def score(self, stats: LayerStats) -> Scores:
+        attn = stats.need("attn_sum")
+        t = stats.length
+        seen_by = torch.arange(t, 0, -1, device=attn.device, dtype=attn.dtype)
+        return stats.per_kv_head(attn / seen_by)
 
 
-def snapkv(stats: LayerStats) -> Scores:
-    w = _window_keys(stats)
-    probs = stats.window_probs[:, :, -w:, : stats.length - w]  # window queries, older keys
-    scores = probs.mean(dim=-2)
-    scores = F.avg_pool1d(scores, kernel_size=KERNEL, padding=KERNEL // 2, stride=1)
-    scores = stats.per_kv_head(scores)
-    return F.pad(scores, (0, w), value=float(scores.max()) + 1)
+@dataclass(frozen=True)
+class SnapKV(Method):
+    """Li et al. 2024: the window's attention averaged over its queries, smoothed by an
+    average pool of ``kernel``; the window's own keys are always kept."""
+
+    window: int | None = None
+    kernel: int = KERNEL
+    needs = ("window_probs",)
+
+    def score(self, stats: LayerStats) -> Scores:
+        w = _window_keys(stats, self.window)
+        probs = stats.probs_of_window(self.window)[:, :, -w:, : stats.length - w]
+        scores = probs.mean(dim=-2)
+        pad = self.kernel // 2
+        scores = F.avg_pool1d(scores, kernel_size=self.kernel, padding=pad, stride=1)
+        scores = stats.per_kv_head(scores)
+        return F.pad(scores, (0, w), value=float(scores.max()) + 1)
 
 
-def tova(stats: LayerStats) -> Scores:
-    last = stats.window_probs[:, :, -1, :-1].mean(1)  # (B, T-1), all heads of the layer
-    scores = last[:, None].expand(-1, stats.num_kv_heads, -1)
-    return F.pad(scores, (0, 1), value=float(scores.max()) + 1)
+@dataclass(frozen=True)
+class TOVA(Method):
+    """Oren et al. 2024: the last query's attention averaged over all heads of the layer
+    (one kept set per layer); the last key is always kept."""
+
+    needs = ("window_probs",)
+
+    def score(self, stats: LayerStats) -> Scores:
+        last = stats.probs_of_window(1)[:, :, -1, :-1].mean(1)  # (B, T-1), every head
+        scores = last[:, None].expand(-1, stats.num_kv_heads, -1)
+        return F.pad(scores, (0, 1), value=float(scores.max()) + 1)
 
 
-def knorm(stats: LayerStats) -> Scores:
-    return -torch.linalg.vector_norm(stats.keys.float(), dim=-1).to(stats.keys.dtype)
+@dataclass(frozen=True)
+class KNorm(Method):
+    """Devoto et al. 2024: a low key norm means keep (score = −‖k_j‖)."""
+
+    def score(self, stats: LayerStats) -> Scores:
+        return -torch.linalg.vector_norm(stats.keys.float(), dim=-1).to(stats.keys.dtype)
 
 
-def vatp(stats: LayerStats) -> Scores:
-    return h2o(stats) * stats.values.abs().sum(-1)
+@dataclass(frozen=True)
+class VATP(Method):
+    """Guo et al. 2024: accumulated attention times the value's L1 norm, S_j · ‖v_j‖₁."""
+
+    needs = ("attn_sum",)
+
+    def score(self, stats: LayerStats) -> Scores:
+        return stats.per_kv_head(stats.need("attn_sum")) * stats.values.abs().sum(-1)
 
 
-def vatp_wo(stats: LayerStats) -> Scores:
-    return stats.per_kv_head(stats.attn_sum * stats.projected_value_norm)
+@dataclass(frozen=True)
+class VATPProjected(Method):
+    """VATP with the norm of the projected value, S_j · ‖W_O^(h) v_j‖."""
+
+    needs = ("attn_sum", "projected_value_norm")
+
+    def score(self, stats: LayerStats) -> Scores:
+        return stats.per_kv_head(stats.need("attn_sum") * stats.need("projected_value_norm"))
 
 
-def window_attention(stats: LayerStats) -> Scores:
-    scores = stats.per_kv_head(stats.window_probs.mean(2))
-    return _protect_last(scores, _window_keys(stats))
+@dataclass(frozen=True)
+class WindowAttention(Method):
+    """Mean attention of the window's queries, without pooling: contribution's attention
+    control (same window, same heads); the window's own keys are always kept."""
+
+    window: int | None = None
+    needs = ("window_probs",)
+
+    def score(self, stats: LayerStats) -> Scores:
+        scores = stats.per_kv_head(stats.probs_of_window(self.window).mean(2))
+        return _protect_last(scores, _window_keys(stats, self.window))
 
 
-def contribution(stats: LayerStats) -> Scores:
-    scores = stats.per_kv_head(stats.window_contribution, reduce="sum")
-    return _protect_last(scores, _window_keys(stats))
+@dataclass(frozen=True)
+class Contribution(Method):
+    """Ours: |ĉ_ij^(h)| summed over the window's queries and the query heads of each KV
+    group; the window's own keys are always kept, and the first ``sinks`` tokens."""
+
+    window: int | None = None
+    sinks: int = 0
+    needs = ("window_contribution",)
+
+    def score(self, stats: LayerStats) -> Scores:
+        scores = stats.per_kv_head(stats.contribution_of_window(self.window), reduce="sum")
+        scores = _protect_last(scores, _window_keys(stats, self.window))
+        return _protect_first(scores, self.sinks)
 
 
-def contribution_sinks(stats: LayerStats) -> Scores:
-    return _protect_first(contribution(stats), N_SINK)
+@dataclass(frozen=True)
+class Random(Method):
+    """A seeded uniform draw."""
 
-
-def random(stats: LayerStats) -> Scores:
-    gen = torch.Generator(device=stats.keys.device).manual_seed(stats.seed)
-    shape = stats.keys.shape[:-1]
-    return torch.rand(shape, generator=gen, device=stats.keys.device, dtype=torch.float64)
+    def score(self, stats: LayerStats) -> Scores:
+        gen = torch.Generator(device=stats.keys.device).manual_seed(stats.seed)
+        shape = stats.keys.shape[:-1]
+        return torch.rand(shape, generator=gen, device=stats.keys.device, dtype=torch.float64)
 
 
 for _m in (
-    Method("streaming_llm", streaming_llm, "StreamingLLM: 4 sink tokens + the most recent"),
-    Method("h2o", h2o, "H2O: attention accumulated over all prefill queries"),
-    Method(
+    StreamingLLM("streaming_llm", f"StreamingLLM: {N_SINK} sink tokens + the most recent"),
+    H2O("h2o", "H2O: attention accumulated over all prefill queries"),
+    ObservedAttention(
         "observed_attention",
-        observed_attention,
         "kvpress's H2O: accumulated attention / number of queries seeing the key",
     ),
-    Method("snapkv", snapkv, "SnapKV: last-64-query attention, avg-pooled (kernel 5)"),
-    Method("tova", tova, "TOVA: last query's attention, mean over the layer's heads"),
-    Method("knorm", knorm, "key norm (Devoto et al.): keep low ‖k‖"),
-    Method("vatp", vatp, "value-aware (Guo et al.): accumulated α × ‖v‖₁"),
-    Method("vatp_wo", vatp_wo, "value-aware, projected: accumulated α × ‖W_O v‖"),
-    Method("window_attention", window_attention, "mean α of the last 64 queries"),
-    Method("contribution", contribution, "ours: Σ |ĉ| over the last 64 queries and the group"),
-    Method(
+    SnapKV("snapkv", f"SnapKV: attention of {_window_text(None)}, avg-pooled (kernel {KERNEL})"),
+    TOVA("tova", "TOVA: last query's attention, mean over the layer's heads"),
+    KNorm("knorm", "key norm (Devoto et al.): keep low ‖k‖"),
+    VATP("vatp", "value-aware (Guo et al.): accumulated α × ‖v‖₁"),
+    VATPProjected("vatp_wo", "value-aware, projected: accumulated α × ‖W_O v‖"),
+    WindowAttention("window_attention", f"mean α of {_window_text(None)}"),
+    Contribution("contribution", f"ours: Σ |ĉ| over {_window_text(None)} and the group"),
+    Contribution(
         "contribution_sinks",
-        contribution_sinks,
-        "ours, with the first 4 tokens (sinks) always kept",
+        f"ours, with the first {N_SINK} tokens (sinks) always kept",
+        sinks=N_SINK,
     ),
-    Method("random", random, "uniform random (seeded)"),
+    Random("random", "uniform random (seeded)"),
 ):
     register_method(_m)

@@ -20,6 +20,7 @@ number of tokens seen, not the number cached. kvpress makes the same choice for 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,28 +30,58 @@ from torch import Tensor
 from ..capture import LayerCall, capturing, check_all_layers_seen
 from ..loading import LoadedModel
 from ..measures.layer import contribution as contribution_weights
-from .methods import WINDOW, LayerStats
+from .methods import (
+    STATISTICS,
+    WINDOW,
+    LayerStats,
+    Method,
+    get_method,
+    method_names,
+    method_needs,
+)
 
 
 @dataclass
 class _Partial:
-    attn_sum: Tensor
+    attn_sum: Tensor | None = None
     window_probs: list[Tensor] = field(default_factory=list)
     window_contribution: Tensor | None = None
+    by_window: dict[int, Tensor] = field(default_factory=dict)
     projected_value_norm: Tensor | None = None
     keys: Tensor | None = None
     values: Tensor | None = None
 
 
 class StatsObserver:
-    """Collects :class:`LayerStats` inputs for the layers in ``layers`` (capture Observer)."""
+    """Collects :class:`LayerStats` inputs for the layers in ``layers`` (capture Observer).
 
-    def __init__(self, layers: set[int], window: int = WINDOW) -> None:
+    ``needs`` names the statistics to gather (:data:`~.methods.STATISTICS`, default all);
+    ``windows`` the shorter windows (numbers of last queries) to sum the contribution over
+    besides the whole observation window.
+    """
+
+    def __init__(
+        self,
+        layers: set[int],
+        window: int = WINDOW,
+        needs: Iterable[str] = STATISTICS,
+        windows: Iterable[int] = (),
+    ) -> None:
         if window < 1:
             raise ValueError(f"window must be at least 1 query, got {window}")
         self.layers = layers
         self.window = window
+        self.needs = set(needs)
+        unknown = self.needs - set(STATISTICS)
+        if unknown:
+            raise ValueError(f"unknown statistics {sorted(unknown)}; known: {STATISTICS}")
+        self.windows = sorted({w for w in windows if 0 < w < window})
         self.partial: dict[int, _Partial] = {}
+
+    @property
+    def reads_window(self) -> bool:
+        """Whether the window's query rows are needed at all."""
+        return bool(self.needs & {"window_probs", "window_contribution", "projected_value_norm"})
 
     def observe(self, call: LayerCall, rows: slice, probs: Tensor) -> None:
         if call.layer_idx not in self.layers:
@@ -58,39 +89,52 @@ class StatsObserver:
         dtype = torch.promote_types(call.query.dtype, torch.float32)
         part = self.partial.get(call.layer_idx)
         if part is None:
-            b, h, t = call.batch, call.num_heads, call.k_len
-            part = _Partial(attn_sum=torch.zeros(b, h, t, dtype=dtype, device=probs.device))
-            part.keys, part.values = call.key.detach(), call.value.detach()
+            part = _Partial(keys=call.key.detach(), values=call.value.detach())
+            if "attn_sum" in self.needs:
+                b, h, t = call.batch, call.num_heads, call.k_len
+                part.attn_sum = torch.zeros(b, h, t, dtype=dtype, device=probs.device)
             self.partial[call.layer_idx] = part
-        part.attn_sum += probs.detach().to(dtype).sum(2)
-        start = max(rows.start, call.q_len - min(self.window, call.q_len))
-        if start >= rows.stop:
+        if part.attn_sum is not None:
+            part.attn_sum += probs.detach().to(dtype).sum(2)
+        window = min(self.window, call.q_len)
+        start = max(rows.start, call.q_len - window)
+        if start >= rows.stop or not self.reads_window:
             return
         sub = slice(start, rows.stop)
         block = probs.detach()[:, :, start - rows.start :]
-        part.window_probs.append(block.to(dtype))
+        if "window_probs" in self.needs:
+            part.window_probs.append(block.to(dtype))
         lt = call.layer_tensors(sub, block, dtype)
-        c = contribution_weights(lt).abs().sum(2)  # (B, H, T): Σ over these window rows
-        previous = part.window_contribution
-        part.window_contribution = c if previous is None else previous + c
-        if part.projected_value_norm is None:
+        if "window_contribution" in self.needs:
+            c = contribution_weights(lt).abs()  # (B, H, I, T) over these window rows
+            part.window_contribution = _add(part.window_contribution, c.sum(2))
+            for w in self.windows:  # the last w queries among these rows
+                first = max(0, call.q_len - w - start)
+                if first < c.shape[2]:
+                    part.by_window[w] = _add(part.by_window.get(w), c[:, :, first:].sum(2))
+        if part.projected_value_norm is None and "projected_value_norm" in self.needs:
             part.projected_value_norm = lt.value_norm
 
     def stats(self, seed: int) -> dict[int, LayerStats]:
         out = {}
         for idx, part in sorted(self.partial.items()):
             assert part.keys is not None and part.values is not None
-            assert part.window_contribution is not None and part.projected_value_norm is not None
             out[idx] = LayerStats(
                 keys=part.keys,
                 values=part.values,
                 attn_sum=part.attn_sum,
-                window_probs=torch.cat(part.window_probs, dim=2),
+                window_probs=torch.cat(part.window_probs, dim=2) if part.window_probs else None,
                 window_contribution=part.window_contribution,
                 projected_value_norm=part.projected_value_norm,
                 seed=seed + idx,
+                window=self.window,
+                contribution_by_window=dict(part.by_window),
             )
         return out
+
+
+def _add(total: Tensor | None, x: Tensor) -> Tensor:
+    return x if total is None else total + x
 
 
 def compressible_layers(cache: object) -> list[int]:
@@ -130,16 +174,30 @@ def prefill(
     window: int = WINDOW,
     *,
     seed: int = 0,
+    methods: Iterable[str | Method] | None = None,
 ) -> Prefill:
-    """Run ``ids`` ``(T,)`` or ``(B, T)`` through the model, keeping its cache and the stats
-    every registered method needs (one capture pass)."""
+    """Run ``ids`` ``(T,)`` or ``(B, T)`` through the model, keeping its cache and the
+    statistics that ``methods`` need (default: every registered method), in one pass.
+
+    ``window`` is the observation window (the last queries whose attention and
+    contribution are kept); a method with a window of its own reads its last queries.
+    """
     if ids.dim() == 1:
         ids = ids[None]
     if ids.shape[1] < 2:
         raise ValueError("a prefill needs at least 2 tokens to compress")
+    chosen = [get_method(m) for m in (method_names() if methods is None else methods)]
+    needs = {stat for m in chosen for stat in method_needs(m)}
+    windows = {m.window_queries for m in chosen if m.window_queries is not None}
+    for m in chosen:
+        if m.window_queries is not None and m.window_queries > window:
+            raise ValueError(
+                f"method {m.name!r} reads the last {m.window_queries} queries but the "
+                f"observation window is {window}; prefill with window={m.window_queries}"
+            )
     net = model.model
     layers = set(range(model.num_layers)) - _sliding_layer_ids(model)
-    observer = StatsObserver(layers, window)
+    observer = StatsObserver(layers, window, needs, {w for w in windows if w is not None})
     ids = ids.to(net.device)
     with torch.no_grad(), capturing(net, observers=[observer]) as session:
         out = net(input_ids=ids, use_cache=True, **model.last_logits_only())
