@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # packed safetensors: what the trace writes as the forward runs, block by block (the
     # trace's own block size); timed here on an in-memory trace's maps, without the forward
-    from contribution_weights.storage import PackedMaps
+    from contribution_weights.tracing.storage import PackedMaps
 
     measures = ["attention", "contribution"]
     trace = cw.trace(model, ids, measures=measures, layers=[args.layer], storage_dtype=dtype)

@@ -387,7 +387,7 @@ def test_resolve_analyses_errors():
     from contribution_weights.experiments.geometry import resolve_analyses
 
     assert resolve_analyses("regression_r2,entropy") == ["regression", "entropy"]
-    with pytest.raises(ValueError, match="unknown analysis .bogus.; valid analyses:"):
+    with pytest.raises(ValueError, match=r"unknown analysis .bogus.; valid analyses:"):
         resolve_analyses("bogus")
 
 

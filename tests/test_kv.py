@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from contribution_weights import kv
 from contribution_weights.kv.evaluate import continuation_nll
+from contribution_weights.presentation.figures import plot
 
 FAMILIES = ["llama", "qwen2", "gemma3_text", "gpt2", "phi3"]  # qwen2/llama/gemma3: GQA
 T, N, WINDOW = 24, 6, 8
@@ -234,7 +235,7 @@ def test_kv_eval_runs_resumes_and_summarises(tmp_path: Any) -> None:
     pd.testing.assert_frame_equal(loaded.summary, first.summary, check_dtype=False)
     assert (tmp_path / "run" / "summary_depth.csv").exists()
     assert (tmp_path / "run" / "summary_paired.csv").exists()
-    fig = first.plot()  # passkey: accuracy against ratio, and against depth at ratio 0.5
+    fig = plot(first)  # passkey: accuracy against ratio, and against depth at ratio 0.5
     assert len(fig.axes) == 2 and fig.axes[1].get_xlabel().startswith("needle depth")
     depths = sorted(first.per_item["depth"].unique())
     lines = {c.get_label(): c for c in fig.axes[1].containers}
@@ -257,7 +258,7 @@ def test_kv_eval_runs_resumes_and_summarises(tmp_path: Any) -> None:
     by_item = rows.loc["knorm"] - rows.loc["none"]
     assert paired.loc[("knorm", 0.25), "delta_mean"] == pytest.approx(by_item.mean())
     assert paired.loc[("knorm", 0.25), "delta_se"] == pytest.approx(by_item.sem())
-    fig = lm.plot()
+    fig = plot(lm)
     assert len(fig.axes) == 2 and fig.axes[1].get_yscale() == "symlog"  # raw and paired panels
     with pytest.raises(ValueError, match="compression ratio"):
         KVEvalOptions(ratios=[0.5, 1.0]).check()

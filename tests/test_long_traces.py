@@ -14,8 +14,8 @@ from tiny_models import tiny_model
 import contribution_weights as cw
 from contribution_weights.measures import layer as M
 from contribution_weights.measures.registry import get_measure, stored_measures
-from contribution_weights.storage import TraceFileError
 from contribution_weights.tracing import MemoryPreflightError
+from contribution_weights.tracing.storage import TraceFileError
 
 IDS = torch.tensor([5, 17, 3, 88, 42, 9, 61, 23, 7, 70, 11, 2, 40, 33, 8, 95, 14])
 DERIVED = ["relative_norm", "vw", "vw_on", "ihc", "contribution", "cosine"]
@@ -240,11 +240,12 @@ def test_half_storage_within_its_stated_error(dtype, atol, tmp_path):
 def test_memory_preflight_refuses_before_allocating(monkeypatch, tmp_path):
     lm = tiny_model("llama")
     import contribution_weights.tracing as tracing
+    import contribution_weights.tracing.run as tracing_run
 
     def no_forward(*args, **kwargs):
         raise AssertionError("the forward ran")
 
-    monkeypatch.setattr(tracing, "_run", no_forward)
+    monkeypatch.setattr(tracing_run, "_run", no_forward)
     with pytest.raises(MemoryPreflightError) as err:
         cw.trace(lm, IDS, measures="all", memory_limit=20_000)
     message = str(err.value)

@@ -201,10 +201,18 @@ def test_choice_of_measures_and_layers(tiny_trace):
         build_report(tiny_trace, precision="int4", progress=False)
 
 
-def test_trace_to_html_and_notebook_view(tmp_path, tiny_trace):
-    path = tiny_trace.to_html(tmp_path / "sub" / "t.html", progress=False)
+def test_write_report_and_notebook_view(tmp_path, tiny_trace):
+    path = cw.write_report(tiny_trace, tmp_path / "sub" / "t.html", progress=False).path
     assert Path(path).is_file() and read_report(path).meta["compact"] is False
-    shown = tiny_trace._repr_html_()
+    # in IPython the package registers the display of a Trace (by type name) on import
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    try:
+        cw._show_traces_in_notebooks()
+        shown = shell.display_formatter.format(tiny_trace)[0]["text/html"]
+    finally:
+        InteractiveShell.clear_instance()
     assert shown.startswith("<iframe") and 'sandbox="allow-scripts"' in shown
     inner = re.search(r'srcdoc="(.*)"', shown, re.S)
     assert inner is not None
@@ -319,7 +327,7 @@ def test_a_trace_without_maps_says_it_has_none_and_what_to_run(tmp_path, capsys)
     reduced = cw.trace(tiny_model("llama"), TEXT, maps=False)
     for write in (
         lambda: write_report(reduced, tmp_path / "a.html", progress=False),
-        lambda: reduced.to_html(tmp_path / "b.html"),
+        lambda: cw.write_report(reduced, tmp_path / "b.html"),
     ):
         with pytest.raises(ValueError, match="holds no maps") as err:
             write()

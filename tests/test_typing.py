@@ -19,5 +19,5 @@ def test_trace_overloads(tmp_path):
     )
     out, _, _ = api.run([str(snippet), "--cache-dir", str(tmp_path / "cache")])
     revealed = [line.split('"')[1] for line in out.splitlines() if "Revealed type" in line]
-    trace = "contribution_weights.results.Trace"
+    trace = "contribution_weights.tracing.result.Trace"
     assert revealed == [trace, f"list[{trace}]", trace], out

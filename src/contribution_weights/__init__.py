@@ -15,19 +15,25 @@ functions included, by ``tests/test_layering.py``):
 0. ``registry`` (the one registry type for everything found by name) and ``defaults``
    (the names and defaults the command line shows): pure Python, they import nothing;
 1. ``measures`` (pure maths), ``families`` (model families as data), ``runs`` (run
-   folders), ``data`` (evaluation data), ``progress``, ``storage`` (where a trace's maps
-   live: memory or per-layer shards on disk);
-2. ``capture`` (getting internals out of a model), ``loading`` (models), ``results``
-   (the ``Trace`` container);
+   folders), ``data`` (evaluation data), ``progress``, ``tracing.storage`` (where a
+   trace's maps live: memory or per-layer shards on disk);
+2. ``capture`` (getting internals out of a model), ``loading`` (models), and the trace
+   result: ``tracing.maps``, ``tracing.format`` (the folder), ``tracing.result`` (``Trace``);
 3. ``interventions`` (every intervention, and running them as batched forwards),
    ``inputs`` (encoding texts, resolving layers), ``kv`` (KV-cache compression);
-4. ``tracing`` and ``experiments`` (faithfulness, downstream, geometry on one runner);
+4. ``tracing`` (options, preflight, recorder, ``trace()``) and ``experiments``
+   (faithfulness, downstream, geometry, kv-eval on one runner);
 5. ``presentation`` (figures, Markdown, the HTML report);
 6. ``cli``, then this package's ``__init__`` and ``__main__``.
 
-The one sanctioned exception: methods that hand a result to presentation
-(``Trace.to_html``, ``FaithfulnessResult.plot``, ``DownstreamResult.plot``) import it
-lazily, inside the method.
+A package split over layers (``tracing``) is checked module by module; inside it a module
+imports only modules of its own layer or below.
+
+No module imports a higher layer, not even lazily inside a function: results know
+nothing of their figures. The figures register themselves by result type
+(``presentation.figures.register_figure``) and ``cw.plot(result)`` draws one;
+``cw.write_report(trace)`` writes a trace's report, and in Jupyter a trace displays as
+that report (this ``__init__`` registers the display with IPython by type name).
 """
 
 from __future__ import annotations
@@ -52,8 +58,10 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and IDEs
     from .inputs import InputError
     from .loading import LoadedModel, ModelLoadError, load_model
     from .measures import Measure, get_measure, measure_names, register_measure
-    from .results import Trace
+    from .presentation.figures import plot, register_figure
+    from .presentation.report import write_report
     from .tracing import TraceOptions, trace
+    from .tracing.result import Trace
 
 #: where each public name lives. The package imports nothing heavy (torch, transformers)
 #: itself: a name's module is imported when the name is first used (PEP 562), so ``cw
@@ -84,7 +92,10 @@ _EXPORTS: dict[str, str] = {
     "get_measure": ".measures",
     "measure_names": ".measures",
     "register_measure": ".measures",
-    "Trace": ".results",
+    "Trace": ".tracing",
+    "plot": ".presentation.figures",
+    "register_figure": ".presentation.figures",
+    "write_report": ".presentation.report",
     "TraceOptions": ".tracing",
     "trace": ".tracing",
 }
@@ -120,11 +131,14 @@ __all__ = [
     "kv",
     "load_model",
     "measure_names",
+    "plot",
     "register_family",
+    "register_figure",
     "register_measure",
     "run_geometry",
     "supported_families",
     "trace",
+    "write_report",
 ]
 
 
@@ -148,3 +162,26 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
+
+
+def _trace_html(trace: Any) -> str:
+    """A trace in Jupyter: the interactive report, compact, inside the notebook."""
+    from .presentation.report import notebook_html
+
+    return notebook_html(trace)
+
+
+def _show_traces_in_notebooks() -> None:
+    """In IPython, display a ``Trace`` as its report. Registered by the type's name, so
+    nothing is imported until a trace is shown; outside IPython this does nothing."""
+    import sys
+
+    if "IPython" not in sys.modules:
+        return
+    shell = sys.modules["IPython"].get_ipython()
+    if shell is not None:
+        html = shell.display_formatter.formatters["text/html"]
+        html.for_type_by_name("contribution_weights.tracing.result", "Trace", _trace_html)
+
+
+_show_traces_in_notebooks()

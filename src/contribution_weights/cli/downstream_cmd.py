@@ -45,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from ..experiments.downstream import downstream
     from ..experiments.runner import processes
     from ..loading import load_model
+    from ..presentation.figures import plot
 
     check_out_dir(args.out)  # before the data and the model load
     options = options_from_args(DownstreamOptions, args)  # bad options fail before loading
@@ -72,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     print_skipped(result)
     written = "config.json, per_item.csv, summary.csv, run_info.json"
     if not result.summary.empty:
-        result.plot(args.out / "downstream.png")
+        plot(result, args.out / "downstream.png")
         written += ", downstream.png"
     print(f"wrote {args.out}/{written}")
     return 0

@@ -59,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
     from ..experiments.result import few_samples_on_stderr
     from ..experiments.runner import processes
     from ..loading import load_model
+    from ..presentation.figures import plot
 
     check_out_dir(args.out)  # before the data and the model load
     options = options_from_args(FaithfulnessOptions, args)  # bad options fail before loading
@@ -84,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     print_skipped(result)
     written = "config.json, per_sequence.csv, summary.csv, run_info.json"
     if not result.summary.empty:
-        result.plot(args.out / "faithfulness.png")
+        plot(result, args.out / "faithfulness.png")
         written += ", faithfulness.png"
     print(f"wrote {args.out}/{written}")
     return 0

@@ -61,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
     from ..experiments.result import few_samples_on_stderr
     from ..experiments.runner import processes
     from ..loading import load_model
+    from ..presentation.figures import plot
 
     check_out_dir(args.out)  # before the data and the model load
     task = args.task or "lm"
@@ -108,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     if task == "passkey":
         written += ", summary_depth.csv"
     if not result.summary.empty:
-        result.plot(args.out / f"kv-{METRIC[task]}.png")
+        plot(result, args.out / f"kv-{METRIC[task]}.png")
         written += f", kv-{METRIC[task]}.png"
     print(f"wrote {args.out}/{written}")
     return 0

@@ -78,7 +78,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..presentation.report import ReportSizeWarning, traced_measures, write_report
-    from ..results import Trace
+    from ..tracing.result import Trace
 
     check_out_file(args.out)  # before any tracing or loading
     if args.trace is not None:

@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     summary = result.summary()
     if not summary.empty:
         print(summary.to_string(float_format=lambda v: f"{v:.3f}"))
-    from ..results import trace_files
+    from ..tracing.format import trace_files
 
     # read from the folder (the trace emptied it of an earlier trace's files first), so
     # the list is what this trace wrote

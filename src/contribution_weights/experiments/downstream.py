@@ -192,11 +192,6 @@ class DownstreamResult(ExperimentResult):
         self.per_item = per_item
         self.summary = summarise(per_item, str(config.get("task", "task")))
 
-    def plot(self, path: str | Path | None = None) -> Any:
-        from ..presentation.faithfulness_plots import plot_downstream
-
-        return plot_downstream(self.summary, path=path)
-
     def write_summary(self, folder: Path) -> None:
         write_csv(folder / SUMMARY, self.summary)
 

@@ -134,16 +134,6 @@ class FaithfulnessResult(ExperimentResult):
         self.per_sequence = per_sequence
         self.summary = summarise(per_sequence)
 
-    def plot(self, path: str | Path | None = None) -> Any:
-        """ΔPPL against rate, one line per measure, a panel per mode (matplotlib Figure)."""
-        from ..presentation.faithfulness_plots import plot_faithfulness
-
-        c = self.config
-        n = int(self.summary["n"].max()) if not self.summary.empty else 0
-        source = c.get("source") or "texts"
-        title = f"{c.get('model')} · {source} · n={n} · ≤{c.get('max_tokens')} tokens"
-        return plot_faithfulness(self.summary, path=path, title=title)
-
     def write_summary(self, folder: Path) -> None:
         write_csv(folder / SUMMARY, self.summary)
 

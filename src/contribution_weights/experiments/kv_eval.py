@@ -125,26 +125,6 @@ class KVEvalResult:
             self.by_depth().to_csv(folder / SUMMARY_DEPTH, index=False)
         return folder
 
-    def plot(self, path: str | Path | None = None) -> Any:
-        from ..presentation.kv_plots import plot_kv
-
-        c = self.config
-        n = int(self.summary["n"].max()) if not self.summary.empty else 0
-        title = f"{c['model']} · {c['source']} · C={c['context_tokens']} · n={n}"
-        if c["task"] != "passkey":
-            paired = self.paired()
-            return plot_kv(self.summary, METRIC[c["task"]], path=path, title=title, paired=paired)
-        ratios = sorted(r for r in self.summary["ratio"].unique() if r > 0)
-        depth_ratio = (0.5 if 0.5 in ratios else ratios[0]) if ratios else None
-        return plot_kv(
-            self.summary,
-            METRIC[c["task"]],
-            path=path,
-            title=title,
-            by_depth=self.by_depth() if depth_ratio is not None else None,
-            depth_ratio=depth_ratio,
-        )
-
 
 def summarise(per_item: pd.DataFrame, task: str, by: Sequence[str] = ()) -> pd.DataFrame:
     """Mean and standard error over items per (method, ratio[, by…])."""

@@ -16,7 +16,9 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from .figures import finish, measure_style
+from ..experiments.downstream import DownstreamResult
+from ..experiments.faithfulness import FaithfulnessResult
+from .figures import finish, measure_style, register_figure
 
 LOG_RANGE = 20.0  # use a log y axis when the positive values span more than this factor
 
@@ -230,3 +232,21 @@ def plot_downstream(
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     return finish(fig, path, title)
+
+
+def faithfulness_figure(result: FaithfulnessResult, path: str | Path | None = None) -> Any:
+    """ΔPPL against rate, one line per measure, a panel per mode (matplotlib Figure)."""
+    c = result.config
+    n = int(result.summary["n"].max()) if not result.summary.empty else 0
+    source = c.get("source") or "texts"
+    title = f"{c.get('model')} · {source} · n={n} · ≤{c.get('max_tokens')} tokens"
+    return plot_faithfulness(result.summary, path=path, title=title)
+
+
+def downstream_figure(result: DownstreamResult, path: str | Path | None = None) -> Any:
+    """Accuracy against the share of prompt tokens kept, a line per measure."""
+    return plot_downstream(result.summary, path=path)
+
+
+register_figure(FaithfulnessResult, faithfulness_figure)
+register_figure(DownstreamResult, downstream_figure)

@@ -1,6 +1,6 @@
 """Figures of a single trace: heatmaps side by side (paper Fig. 1) and first-token weight.
 
-Everything here reads a :class:`~contribution_weights.results.Trace`; nothing touches a
+Everything here reads a :class:`~contribution_weights.tracing.result.Trace`; nothing touches a
 model. Functions return the matplotlib Figure; :func:`save` writes it as a PNG.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +22,47 @@ import torch
 from matplotlib.figure import Figure
 
 from ..measures.registry import get_measure
-from ..results import Trace
+from ..tracing.result import Trace
 
 FIRST_TOKEN_MEASURES = ("attention", "vw", "contribution")
 ALL_LABELS_UP_TO = 64  # texts up to this many tokens get every token on the axes
 SUBSET_LABELS = 32  # longer texts: about this many evenly spaced tokens, with their index
 CLIP_PERCENTILE = 99.5  # colour limits: this percentile of |w| (larger values saturate)
 MASKED = "#eceef2"  # keys after the query (not attended), as in the HTML report
+
+
+# ---- the figure of each kind of result ------------------------------------------------------
+#: result type -> function drawing its figure (``draw(result, path=None) -> Figure``); each
+#: figure module registers its own (faithfulness_plots, kv_plots, geometry_plots)
+_FIGURES: dict[type, Callable[..., Any]] = {}
+_FIGURE_MODULES = ("faithfulness_plots", "kv_plots", "geometry_plots")
+
+
+def register_figure(result_type: type, draw: Callable[..., Any]) -> Callable[..., Any]:
+    """Make ``draw(result, path=None)`` the figure of ``result_type`` (and its subclasses)
+    for :func:`plot`, ``cw.plot`` and the command line."""
+    _FIGURES[result_type] = draw
+    return draw
+
+
+def figure_for(result: Any) -> Callable[..., Any] | None:
+    """The registered figure of ``result``'s type (or of its nearest base), or None."""
+    import importlib
+
+    for module in _FIGURE_MODULES:  # the built-in figures register when imported
+        importlib.import_module(f"{__package__}.{module}")
+    return next((_FIGURES[t] for t in type(result).__mro__ if t in _FIGURES), None)
+
+
+def plot(result: Any, path: str | Path | None = None, **options: Any) -> Any:
+    """The figure of an experiment's result (a matplotlib Figure), saved to ``path`` if given."""
+    draw = figure_for(result)
+    if draw is None:
+        raise ValueError(
+            f"no figure is registered for {type(result).__name__}; register one with "
+            "contribution_weights.presentation.figures.register_figure(ResultType, draw)"
+        )
+    return draw(result, path=path, **options)
 
 
 def measure_style(measure: str, i: int = 0) -> tuple[str, str]:

@@ -17,7 +17,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from .figures import finish
+from ..experiments.kv_eval import METRIC, KVEvalResult
+from .figures import finish, register_figure
 
 OURS = ("contribution", "contribution_sinks")
 LABEL = {"nll": "NLL of the next 128 tokens (lower is better)", "accuracy": "passkey accuracy"}
@@ -99,3 +100,28 @@ def _lines(ax: Any, frame: pd.DataFrame, mean: str, se: str, x: str = "ratio") -
             marker="o" if ours else ".",
             capsize=2,
         )  # fmt: skip
+
+
+def kv_eval_figure(result: KVEvalResult, path: str | Path | None = None) -> Any:
+    """The figure of a kv-eval result: the metric against ratio, with the paired
+    differences (language modelling) or the accuracy per needle depth (passkey)."""
+    c = result.config
+    summary = result.summary
+    n = int(summary["n"].max()) if not summary.empty else 0
+    title = f"{c['model']} · {c['source']} · C={c['context_tokens']} · n={n}"
+    metric = METRIC[c["task"]]
+    if c["task"] != "passkey":
+        return plot_kv(summary, metric, path=path, title=title, paired=result.paired())
+    ratios = sorted(r for r in summary["ratio"].unique() if r > 0)
+    depth_ratio = (0.5 if 0.5 in ratios else ratios[0]) if ratios else None
+    return plot_kv(
+        summary,
+        metric,
+        path=path,
+        title=title,
+        by_depth=result.by_depth() if depth_ratio is not None else None,
+        depth_ratio=depth_ratio,
+    )
+
+
+register_figure(KVEvalResult, kv_eval_figure)

@@ -1,4 +1,4 @@
-"""Interactive HTML report of a :class:`~contribution_weights.results.Trace`.
+"""Interactive HTML report of a :class:`~contribution_weights.tracing.result.Trace`.
 
 :func:`write_report` writes ONE self-contained HTML file: the page's script, styles and
 data are inline, so it opens offline in any current browser and can be shared as is.
@@ -14,7 +14,7 @@ The page inflates a chunk the first time it is shown and keeps a few dozen in me
 When the file would exceed ``max_bytes``, evenly spaced layers are kept (first and last
 included), a :class:`ReportSizeWarning` is issued and the page shows the same warning.
 
-In Jupyter, ``Trace._repr_html_`` calls :func:`notebook_html`: the same page in compact
+In Jupyter a trace displays through :func:`notebook_html`: the same page in compact
 form, in an ``<iframe srcdoc>`` so its script and styles cannot clash with the notebook.
 """
 
@@ -48,7 +48,7 @@ from .report_data import (  # DEFAULT_*: light, for `cw report --help` before to
 )
 
 if TYPE_CHECKING:
-    from ..results import Trace
+    from ..tracing.result import Trace
 
 NOTEBOOK_MAX_BYTES = 8 * 2**20
 FORMAT_VERSION = 1
@@ -470,7 +470,7 @@ def write_report(
 def notebook_html(
     trace: Trace, *, max_bytes: int | None = NOTEBOOK_MAX_BYTES, **kwargs: Any
 ) -> str:
-    """The compact report inside an ``<iframe srcdoc>``, for Jupyter's ``_repr_html_``."""
+    """The compact report inside an ``<iframe srcdoc>``, for Jupyter's display of a trace."""
     kwargs.setdefault("progress", False)
     page, _ = build_report(trace, max_bytes=max_bytes, compact=True, **kwargs)
     return (

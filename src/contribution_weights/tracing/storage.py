@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from .defaults import STORAGE_DTYPE_NAMES  # light: the CLI's choices
+from ..defaults import STORAGE_DTYPE_NAMES  # light: the CLI's choices
 
 STORAGE_DTYPES = {name: getattr(torch, name) for name in STORAGE_DTYPE_NAMES}
 _ST_DTYPE = {

@@ -1,0 +1,152 @@
+"""The observer that records a trace during the forward (:class:`TraceRecorder`).
+
+For each traced layer and block of queries it builds the pure-maths
+:class:`~contribution_weights.measures.layer.LayerTensors` in the compute dtype, writes
+the stored maps into the map store (straight into it where the store offers a
+destination), folds every requested measure into the reductions, and keeps the per-layer
+vectors that derived measures are read from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..capture import LayerCall
+from ..measures.reductions import ReductionAccumulator, follows
+from ..measures.registry import AbsoluteOf, RankOne, RowScaled, get_measure
+from .storage import MapStore, is_causal
+
+
+@dataclass
+class TraceRecorder:
+    """Observer writing the traced layers' stored maps, reductions and vectors."""
+
+    measures: list[str]
+    layers: list[int]
+    num_tokens: int
+    dtype: torch.dtype
+    store: MapStore | None = None
+    reducer: ReductionAccumulator | None = None
+    vectors: dict[str, Tensor] = field(default_factory=dict)
+    progress: Any = None  # a bar advanced once per block of queries
+    blocks_per_layer: int = 1
+    eager_everywhere: bool = False  # untraced layers too (see TraceOptions.exact_inputs)
+
+    key_spans = True  # blocks come narrowed to the keys their queries can see
+
+    def __post_init__(self) -> None:
+        self._position = {layer: pos for pos, layer in enumerate(self.layers)}
+        self.stored = list(self.store.names) if self.store is not None else []
+
+    def wants(self, layer_idx: int) -> bool:
+        return self.eager_everywhere or layer_idx in self._position
+
+    def skipped(self, call: LayerCall) -> None:
+        if self.progress is not None:
+            self.progress.update(self.blocks_per_layer)
+
+    def _allocate(self, call: LayerCall) -> None:
+        n, h, t = len(self.layers), call.num_heads, self.num_tokens
+        device, dtype = call.query.device, self.dtype
+        self.vectors = {
+            "bias_share": torch.zeros(n, t, dtype=dtype, device=device),
+            "degenerate": torch.zeros(n, t, dtype=torch.bool, device=device),
+            "degenerate_heads": torch.zeros(n, h, t, dtype=torch.bool, device=device),
+            "zero_values": torch.zeros(n, h, t, dtype=torch.bool, device=device),
+            "value_norm": torch.zeros(n, h, t, dtype=dtype, device=device),
+            "output_norm": torch.zeros(n, t, dtype=dtype, device=device),
+            "key_start": torch.zeros(n, t, dtype=torch.int32, device=device),
+            "key_stop": torch.zeros(n, t, dtype=torch.int32, device=device),
+        }
+
+    def observe(self, call: LayerCall, rows: slice, probs: Tensor) -> None:
+        pos = self._position.get(call.layer_idx)
+        if pos is None:
+            return
+        if not self.vectors:
+            self._allocate(call)
+        keys = call.keys if call.keys is not None else slice(0, call.k_len)
+        k0 = keys.start
+        lt = call.layer_tensors(rows, probs, self.dtype, keys=call.keys)
+        start, stop = _key_range(lt.valid[0], call.layer_idx, rows)
+        v = self.vectors
+        v["key_start"][pos, rows] = start + k0
+        v["key_stop"][pos, rows] = stop + k0
+        store = self.store
+        if store is not None and rows.start == 0:
+            causal = is_causal(v["key_stop"][pos, rows])
+            store.start_layer(pos, causal=causal and call.q_len == call.k_len)
+        computed: dict[str, Tensor] = {}
+        for name in self.stored:
+            assert store is not None
+            measure = get_measure(name)
+            dest = store.destination(name, pos, rows, keys, self.dtype)
+            if dest is not None and measure.writes_out:
+                computed[name] = measure.compute(lt, out=dest[None])[0]
+            else:
+                computed[name] = measure.compute(lt)[0]
+                store.write(name, pos, rows, computed[name], k0)
+        if self.reducer is not None:
+            self._reduce(lt, pos, rows, computed, k0)
+        v["bias_share"][pos, rows] = lt.bias_share[0]
+        v["degenerate"][pos, rows] = lt.degenerate[0]
+        v["degenerate_heads"][pos, :, rows] = lt.degenerate_heads[0]
+        v["output_norm"][pos, rows] = lt.output_norm[0]
+        v["zero_values"][pos, :, keys] = lt.zero_values[0]
+        v["value_norm"][pos, :, keys] = lt.value_norm[0]
+        if store is not None and rows.stop == call.q_len:
+            store.finish_layer(pos)
+        if self.progress is not None:
+            self.progress.update(1)
+
+    def _reduce(self, lt: Any, pos: int, rows: slice, computed: dict[str, Tensor], k0: int) -> None:
+        """Fold this block into the reductions. A measure whose algebra says how it follows
+        from another traced measure (a row scaling, an absolute value) reuses that one's
+        block; a rank-one measure needs no block at all (see ReductionAccumulator)."""
+        assert self.reducer is not None
+        red, q0 = self.reducer, rows.start
+        blocks: dict[str, Tensor] = {}  # each computed measure's block
+        magnitudes: dict[str, Tensor] = {}  # and its |block|, as add() returns it
+        later = []
+        for name in self.measures:
+            algebra = get_measure(name).algebra
+            if isinstance(algebra, RankOne):
+                key_f, query_f = algebra.key_factor(lt)[0], algebra.query_factor(lt)[0]
+                red.add_rank_one(name, pos, q0, key_f, query_f, lt.valid[0], k0)
+            elif follows(name, self.measures) is not None:
+                later.append((name, algebra))
+            else:
+                w = computed.get(name)
+                if w is None:
+                    w = get_measure(name).compute(lt)[0]
+                magnitudes[name] = red.add(name, pos, q0, w, k0)
+                blocks[name] = w
+        for name, algebra in later:
+            assert isinstance(algebra, RowScaled | AbsoluteOf)
+            if isinstance(algebra, RowScaled):
+                scale = algebra.scale(lt)[0]
+                red.add_row_scaled(name, algebra.base, pos, q0, blocks[algebra.base], scale, k0)
+            else:
+                red.add_abs_of(name, algebra.base, pos, q0, magnitudes[algebra.base], k0)
+
+
+def _key_range(valid: Tensor, layer: int, rows: slice) -> tuple[Tensor, Tensor]:
+    """Per query, the first and one-past-last key it may attend to; the keys between must
+    all be allowed (causal and sliding-window masks are; others are refused)."""
+    t = valid.shape[-1]
+    count = valid.sum(-1)
+    start = valid.int().argmax(-1)
+    stop = t - valid.flip(-1).int().argmax(-1)
+    stop = torch.where(count > 0, stop, start)
+    if not bool((stop - start == count).all()):
+        from ..capture import CaptureError
+
+        raise CaptureError(
+            f"layer {layer}: some query attends to keys that are not one contiguous range "
+            "(a padded or packed batch?); trace one unpadded sequence at a time"
+        )
+    return start.to(torch.int32), stop.to(torch.int32)
