@@ -8,6 +8,8 @@ The leading dimensions are free: a single layer ``(H, T, T)`` or a stack of laye
 
 from __future__ import annotations
 
+import math
+
 import torch
 from jaxtyping import Float
 from torch import Tensor
@@ -81,9 +83,31 @@ def entropy(
     a = w.abs()
     if exclude_first:
         a = a[..., 1:, 1:]
-    total = a.sum(-1)
-    a_log_a = torch.xlogy(a, a).sum(-1)
+    return entropy_of_rows(a.sum(-1), sum_a_log_a(a)).mean(-1)
+
+
+def sum_a_log_a(a: Float[Tensor, "*lead t"]) -> Float[Tensor, "*lead"]:
+    """Σ_j a_j ln a_j over the last dim for a ≥ 0 (0 ln 0 = 0).
+
+    log2 of a clamped at the dtype's smallest normal number (which only zeros and
+    subnormals reach: exact for every other entry, and finite, so 0 · log2 stays 0, even
+    with denormals flushed), then one fused multiply-sum: up to several times faster than
+    ``xlogy`` or ``entr``, whose natural log is slow here, slowest of all at the zeros
+    every causal row is half made of.
+    """
+    log2 = a.clamp_min(torch.finfo(a.dtype).tiny).log2_()
+    return torch.linalg.vecdot(a, log2) * math.log(2)
+
+
+def entropy_of_rows(
+    total: Float[Tensor, "*lead"], a_log_a: Float[Tensor, "*lead"]
+) -> Float[Tensor, "*lead"]:
+    """Per row, the entropy of a / Σa from its sum ``total`` = S and ``a_log_a`` =
+    Σ a ln a (:func:`sum_a_log_a`): ln S − (Σ a ln a)/S, 0 for an all-zero row.
+
+    From the two sums alone, so a row can be folded in pieces (keys after token 0, then
+    token 0) or its entropy taken with and without a key at no extra pass."""
     ok = total > 0
     safe_total = torch.where(ok, total, torch.ones_like(total))
     row = torch.where(ok, torch.log(safe_total) - a_log_a / safe_total, torch.zeros_like(total))
-    return row.clamp_min(0).mean(-1)
+    return row.clamp_min(0)

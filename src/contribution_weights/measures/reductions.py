@@ -28,7 +28,6 @@ float rounding.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -37,7 +36,13 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from ..defaults import DEFAULT_TOP_K  # light: the CLI shows it before torch
-from .aggregates import first_token_weight, later_query_mean, normalised
+from .aggregates import (
+    entropy_of_rows,
+    first_token_weight,
+    later_query_mean,
+    normalised,
+    sum_a_log_a,
+)
 from .registry import AbsoluteOf, RowScaled, get_measure
 
 FIELDS = ("token_sums", "first", "row_sum", "entropy", "entropy_excl_first")
@@ -184,11 +189,11 @@ class ReductionAccumulator:
         if first_key == 0:
             a0 = a[..., 0]
             total, a_log_a = rest_total + a0, rest_log - torch.special.entr(a0)
-            excl = _entropy(rest_total, rest_log)
+            excl = entropy_of_rows(rest_total, rest_log)
         else:
             total, a_log_a = rest_total, rest_log
         r.row_sum[pos, :, rows] = total if not m.signed else w.sum(-1)
-        r.entropy[pos, :, rows] = _entropy(total, a_log_a)
+        r.entropy[pos, :, rows] = entropy_of_rows(total, a_log_a)
         if first_key != 0:
             excl = r.entropy[pos, :, rows]
         r.entropy_excl_first[pos, :, rows] = excl
@@ -295,17 +300,6 @@ class ReductionAccumulator:
         r.row_sum[pos, :, rows] = qf[None, :] * (kf @ v.T)
 
 
-def sum_a_log_a(a: Float[Tensor, "*lead t"]) -> Float[Tensor, "*lead"]:
-    """Σ_j a_j ln a_j over the last dim for a ≥ 0 (0 ln 0 = 0).
-
-    log2 of a clamped at 1e-30 (an entry below it adds less than 1e-28), then one fused
-    multiply-sum: several times faster than ``xlogy`` or ``entr``, whose natural log is
-    slow here, slowest of all at the zeros every causal row is half made of.
-    """
-    log2 = a.clamp_min(1e-30).log2_()
-    return torch.linalg.vecdot(a, log2) * math.log(2)
-
-
 def top_indices(a: Float[Tensor, "*lead t"], k: int, chunk: int = 32) -> Tensor:
     """Indices of the ``k`` largest entries of each row of ``a``, largest first.
 
@@ -324,11 +318,3 @@ def top_indices(a: Float[Tensor, "*lead t"], k: int, chunk: int = 32) -> Tensor:
     candidates = a.gather(-1, cols)  # (…, k · chunk)
     pick = torch.topk(candidates, k, dim=-1).indices
     return cols.gather(-1, pick)
-
-
-def _entropy(total: Tensor, a_log_a: Tensor) -> Tensor:
-    """Entropy of rows with sum ``total`` and Σ a log a ``a_log_a`` (0 for an empty row)."""
-    ok = total > 0
-    safe_total = torch.where(ok, total, torch.ones_like(total))
-    row = torch.where(ok, torch.log(safe_total) - a_log_a / safe_total, torch.zeros_like(total))
-    return row.clamp_min(0)
