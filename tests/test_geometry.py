@@ -29,9 +29,14 @@ from contribution_weights.experiments.geometry import (
     analyse,
     encode_texts,
 )
-from contribution_weights.experiments.regression import regression_table
-from contribution_weights.experiments.sinks import NormFit, SemanticCone, cone_geometry
-from contribution_weights.experiments.stats import BlockView, alignment
+from contribution_weights.experiments.geometry.analyses.norm_fit import NormFit
+from contribution_weights.experiments.geometry.analyses.regression import regression_table
+from contribution_weights.experiments.geometry.analyses.semantic_cone import (
+    SemanticCone,
+    cone_geometry,
+)
+from contribution_weights.experiments.geometry.analyses.sink_alignment import alignment
+from contribution_weights.experiments.stats import BlockView
 from contribution_weights.measures.layer import LayerTensors
 
 TEXTS = ["The cat sat on the mat.", "A second, longer text for the geometry!", "xyz 123 abc q"]
@@ -295,7 +300,7 @@ def test_streaming_state_round_trip_equals_one_pass():
 
 
 def test_reservoir_and_moments_equal_in_memory():
-    from contribution_weights.experiments.streaming import Moments, Reservoir
+    from contribution_weights.experiments.sampling import Moments, Reservoir
 
     rng = np.random.default_rng(0)
     data = rng.normal(size=(5000, 3)) @ np.array([[1, 0.5, 0], [0, 1, 0.2], [0, 0, 1]]) + 3
@@ -423,7 +428,7 @@ def test_sink_layers_are_resolved_like_trace_layers():
 def test_statistics_do_not_depend_on_query_blocks(monkeypatch):
     import functools
 
-    from contribution_weights.experiments import geometry as geometry_module
+    from contribution_weights.experiments.geometry import run as geometry_module
 
     lm = tiny_model("llama")
     names = ["first_token_weight", "entropy", "sink_alignment", "correlations"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -11,11 +12,12 @@ from tiny_models import tiny_model
 
 from contribution_weights.cli import main
 from contribution_weights.experiments import geometry as geometry_run
-from contribution_weights.experiments.geometry import GeometryOptions
-from contribution_weights.experiments.geometry_result import JSON_KEYS
+from contribution_weights.experiments.geometry import JSON_KEYS, GeometryOptions
 from contribution_weights.presentation.geometry_plots import FIGURES, write_figures, write_markdown
 from contribution_weights.runs import RunFolderError
 
+#: the published run folders (docs/results): tables, no state (state.pt is not published)
+PUBLISHED = sorted((Path(__file__).parents[1] / "docs" / "results").glob("geometry-*"))
 TEXTS = ["The cat sat on the mat.", "Water boils at 100 degrees.", "One, two, three, four."]
 OPTS = GeometryOptions(max_tokens=None, cap=500, gammas=(1.0, 0.0), sink_layers=[1])
 
@@ -107,8 +109,8 @@ def test_state_loads_with_weights_only_and_refuses_pickled_objects(tmp_path):
 
 
 def test_no_sink_layer_skips_the_scaling_passes_and_says_so(tmp_path, monkeypatch):
-    from contribution_weights.experiments import geometry
     from contribution_weights.experiments.geometry import NoSinkLayersWarning
+    from contribution_weights.experiments.geometry import run as geometry
 
     def no_pass(*args, **kwargs):
         raise AssertionError("sink-scaling forward passes ran without sink layers")
@@ -243,7 +245,7 @@ def test_accumulators_split_over_sequences_merge_to_the_one_pass_tables():
 
 
 def test_geometry_result_saves_and_loads_back(tmp_path):
-    from contribution_weights.experiments.geometry_result import GeometryResult
+    from contribution_weights.experiments.geometry import GeometryResult
 
     lm = tiny_model("llama")
     res = geometry_run.run_geometry(lm, TEXTS, tmp_path / "run", options=OPTS, progress=False)
@@ -252,6 +254,25 @@ def test_geometry_result_saves_and_loads_back(tmp_path):
     again = GeometryResult.load(loaded.save(tmp_path / "copy"))
     assert again.to_json() == res.to_json() and again.run_info == res.run_info
     assert again.tokens == res.tokens
+
+
+def test_every_published_folder_is_found():
+    assert len(PUBLISHED) >= 4 and all(p.is_dir() for p in PUBLISHED)
+
+
+@pytest.mark.parametrize("folder", PUBLISHED, ids=lambda p: p.name)
+def test_published_folders_load_to_their_tables(folder, tmp_path):
+    """A published run folder (no state.pt) loads from its tables: to_json() gives its
+    tables.json back and the Markdown renders as its tables.md (below the title)."""
+    from contribution_weights.experiments.geometry import GeometryResult
+
+    res = GeometryResult.load(folder)
+    tables = json.loads((folder / "tables.json").read_text())
+    _close(res.to_json(), tables)
+    assert tuple(tables) == JSON_KEYS and res.analyses == res.config["analyses"]
+    md = write_markdown(res, tmp_path / "tables.md", "title")
+    published = (folder / "tables.md").read_text()
+    assert md.split("\n", 1)[1] + "\n" == published.split("\n", 1)[1]
 
 
 def test_joint_distribution_plot_has_a_colourbar_per_panel():
@@ -263,12 +284,24 @@ def test_joint_distribution_plot_has_a_colourbar_per_panel():
     assert len(colourbars) == 2 and "log scale" in colourbars[0].get_ylabel()
 
 
-def test_a_new_analysis_is_one_registered_class(tmp_path):
-    """Statistics, tables, JSON, figure and Markdown of an analysis come from its class."""
+def test_a_new_analysis_is_one_registered_class(tmp_path, monkeypatch):
+    """An analysis defined outside the package is one class (statistic, table, JSON,
+    per-layer columns, Markdown) plus its figure registered with the presentation layer;
+    the API and ``cw geometry --only NAME`` run it into tables.json, tables.md, per_layer.csv
+    and a figure file, and the run folder loads back."""
     import matplotlib.pyplot as plt
 
-    from contribution_weights.experiments import geometry_result as gr
+    from contribution_weights.experiments.geometry import (
+        ANALYSES_REGISTRY,
+        Analysis,
+        GeometryResult,
+        register_analysis,
+    )
     from contribution_weights.experiments.stats import LayerMeans
+    from contribution_weights.presentation.geometry_plots import (
+        register_geometry_figure,
+        unregister_geometry_figure,
+    )
 
     class MeanValueNorm(LayerMeans):
         columns = ("value_norm",)
@@ -277,32 +310,38 @@ def test_a_new_analysis_is_one_registered_class(tmp_path):
             self._seq[view.layer, 0] += float(view.value_norm.mean()) * view.alpha.shape[1]
             self._seq_n[view.layer, 0] += view.alpha.shape[1]
 
-    class ValueNorm(gr.Analysis):
+    class ValueNorm(Analysis):
         name = "value_norm"
 
         def stats(self, num_layers, num_heads, options):
             return {"value_norm": MeanValueNorm(num_layers)}
 
-        def build(self, ctx, result):
+        def build(self, ctx):
             stat = ctx.stats["value_norm"]
-            result.extra["value_norm"] = pd.DataFrame(stat.by_layer(), ctx.layers, ["value_norm"])
+            return pd.DataFrame(stat.by_layer(), ctx.layers, ["value_norm"])
 
-        def to_json(self, result):
-            return {"value_norm": result.extra["value_norm"]["value_norm"].tolist()}
+        def to_json(self, table):
+            return {"value_norm": table["value_norm"].tolist()}
 
-        def figure(self, result, title=""):
-            fig, ax = plt.subplots()
-            result.extra["value_norm"].plot(ax=ax)
-            return fig
+        def per_layer(self, table):
+            return table
 
-        def markdown(self, result):
-            return ["## Mean value norm", "", result.extra["value_norm"].to_string(), ""]
+        def markdown(self, table, result):
+            return ["## Mean value norm", "", table.to_string(), ""]
 
-    gr.register_analysis(ValueNorm())
+    def draw(table, title=""):
+        fig, ax = plt.subplots()
+        table.plot(ax=ax, title=title)
+        return fig
+
+    register_analysis(ValueNorm())
+    register_geometry_figure("value_norm", draw)
     try:
         lm = tiny_model("llama")
         res = geometry_run.run_geometry(lm, TEXTS, tmp_path, "value_norm,entropy", OPTS,
                                         progress=False)  # fmt: skip
+        assert set(res.tables) == {"value_norm", "entropy"} and res.value_norm is not None
+        assert res.value_norm is res.tables["value_norm"] and res.norm_fit is None
         tables = json.loads((tmp_path / "tables.json").read_text())
         assert tuple(tables)[: len(JSON_KEYS)] == JSON_KEYS and tables["entropy"] is not None
         assert len(tables["value_norm"]) == lm.num_layers and tables["regression_r2"] is None
@@ -311,8 +350,27 @@ def test_a_new_analysis_is_one_registered_class(tmp_path):
         assert "## Mean value norm" in write_markdown(res, tmp_path / "tables.md", "tiny")
         with pytest.raises(ValueError, match=r"valid analyses: .*value_norm"):
             geometry_run.resolve_analyses("nope")
+
+        # the command line runs it by name, into every output file
+        monkeypatch.setattr("contribution_weights.loading.load_model", lambda *a, **k: lm)
+        corpus = tmp_path / "texts.jsonl"
+        corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+        out = tmp_path / "cli"
+        assert main(["geometry", "--texts", str(corpus), "--only", "value_norm",
+                     "--out", str(out)]) == 0  # fmt: skip
+        tables = json.loads((out / "tables.json").read_text())
+        assert tuple(tables) == (*JSON_KEYS, "value_norm")
+        assert all(tables[k] is None for k in JSON_KEYS)
+        assert len(tables["value_norm"]) == lm.num_layers
+        assert "## Mean value norm" in (out / "tables.md").read_text()
+        assert sorted(p.name for p in out.glob("*.png")) == ["geometry-value_norm.png"]
+        per_layer = pd.read_csv(out / "per_layer.csv", index_col="layer")
+        assert list(per_layer.columns) == ["sink_rate", "value_norm"]
+        loaded = GeometryResult.load(out)
+        assert loaded.analyses == ["value_norm"] and loaded.to_json() == tables
     finally:
-        gr.ANALYSES_REGISTRY.unregister("value_norm")
+        ANALYSES_REGISTRY.unregister("value_norm")
+        unregister_geometry_figure("value_norm")
 
 
 def test_one_text_warns_when_sink_scaling_needs_standard_errors(tmp_path, monkeypatch, capsys):

@@ -65,11 +65,11 @@ def test_custom_keys_and_plurals():
 
 def test_every_registry_of_the_package_is_one():
     import contribution_weights as cw
-    from contribution_weights.experiments import geometry_result
+    from contribution_weights.experiments import geometry
     from contribution_weights.families import FAMILIES
     from contribution_weights.kv.methods import METHODS
 
-    for reg in (FAMILIES, METHODS, geometry_result.ANALYSES_REGISTRY):
+    for reg in (FAMILIES, METHODS, geometry.ANALYSES_REGISTRY):
         assert isinstance(reg, Registry) and len(reg) > 0
     assert sorted(FAMILIES.names()) == cw.supported_families()
 

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from ..experiments.runner import processes
     from ..loading import load_model
     from ..presentation.geometry_plots import write_figures, write_markdown
-    from .faithfulness_cmd import MORE_TEXTS
+    from .experiment_cmd import MORE_TEXTS
 
     check_out_dir(args.out)  # before the data and the model load
     analyses = resolve_analyses(args.only)

@@ -1,6 +1,11 @@
 """Per-layer statistics of value geometry, accumulated sequence by sequence (method §3, §5).
 
-An observer (:class:`~.geometry.GeometryAccumulator`) hands every :class:`Stat` one
+The statistics shared by the geometry analyses: the :class:`Stat` base and
+:class:`LayerMeans`, the sink rate (which finds the sink layers) and the sampled points
+(both regressions and the joint distributions read them). A statistic only one analysis
+needs lives in that analysis' module (:mod:`.geometry.analyses`).
+
+An observer (:class:`~.geometry.run.GeometryAccumulator`) hands every :class:`Stat` one
 :class:`BlockView` per layer and block of queries of each sequence (batch of one). A
 stat folds what it needs into per-sequence buffers, then into running totals at
 ``end_sequence``; nothing of size ``(L, H, T, T)`` is kept, so memory does not grow with
@@ -21,14 +26,12 @@ import torch
 from torch import Tensor
 
 from ..measures import layer as M
-from ..measures.aggregates import entropy, first_token_weight
-from ..measures.layer import LayerTensors, safe_div
+from ..measures.layer import LayerTensors
 from ..measures.registry import get_measure
-from .streaming import Moments, Reservoir
+from .sampling import Reservoir
 
 WEIGHT_MEASURES = ("attention", "vw", "contribution")
 POINT_COLUMNS = ("alpha", "r", "kappa", "c", "vnorm", "layer")
-LOG_NAMES = ("log_alpha", "log_r", "log_kappa")
 GROUPS = ("all", "first", "tail")
 
 
@@ -151,44 +154,6 @@ class LayerMeans(Stat):
             return np.where(self.count > 0, self.total / np.maximum(self.count, 1), np.nan)
 
 
-class FirstTokenWeight(LayerMeans):
-    """Table 4: E[w_0^(l)] = (1/T) Σ_i Σ_h w_i0 with the registry's normalised weights
-    (method §3), via :func:`~..measures.aggregates.first_token_weight` per block."""
-
-    columns = WEIGHT_MEASURES
-
-    def observe(self, view: BlockView) -> None:
-        queries = view.alpha.shape[1]
-        for k, measure in enumerate(WEIGHT_MEASURES):
-            mean = first_token_weight(view.weight(measure), measure)  # over the block
-            self._seq[view.layer, k] += float(mean) * queries
-        self._seq_n[view.layer] += queries
-
-
-class Entropy(LayerMeans):
-    """Table 5: mean over heads and queries of the entropy, with and without token 0.
-
-    Uses :func:`~..measures.aggregates.entropy` per block; without token 0, query 0 is
-    dropped too (it has no other key), which only the block starting at query 0 holds.
-    """
-
-    columns = tuple(f"{m}:{v}" for v in ("all", "excluding_first") for m in WEIGHT_MEASURES)
-
-    def observe(self, view: BlockView) -> None:
-        h, queries = view.alpha.shape[:2]
-        later = queries - 1 if view.first_block else queries  # queries i ≥ 1
-        valid = view.lt.valid[0].expand_as(view.alpha)
-        for k, measure in enumerate(WEIGHT_MEASURES):
-            w = view.weight(measure)
-            w = torch.where(valid, w, torch.zeros((), dtype=w.dtype))
-            self._seq[view.layer, k] += float(entropy(w).sum()) * queries
-            self._seq_n[view.layer, k] += h * queries
-            if later:
-                excl = entropy(w, exclude_first=True) if view.first_block else entropy(w[..., 1:])
-                self._seq[view.layer, k + len(WEIGHT_MEASURES)] += float(excl.sum()) * later
-                self._seq_n[view.layer, k + len(WEIGHT_MEASURES)] += h * later
-
-
 class SinkRate(LayerMeans):
     """Per layer, the mean over heads and queries of α_i0 (used to find sink layers)."""
 
@@ -197,43 +162,6 @@ class SinkRate(LayerMeans):
     def observe(self, view: BlockView) -> None:
         self._seq[view.layer, 0] += float(view.alpha[:, :, 0].sum())
         self._seq_n[view.layer, 0] += view.alpha.shape[0] * view.alpha.shape[1]
-
-
-def alignment(projected: Tensor) -> tuple[Tensor, Tensor]:
-    """Per head ``(H,)``: mean cos(ṽ_0, ṽ_j) over j ≥ 1, and mean cos(ṽ_i, ṽ_j), i ≠ j ≥ 1.
-
-    Zero vectors count as cosine 0. Needs at least 2 (sink/tail) and 3 (tail/tail) tokens;
-    otherwise the entry is NaN.
-    """
-    norm = projected.norm(dim=-1, keepdim=True)
-    unit = safe_div(projected, norm)
-    h, t, _ = unit.shape
-    nan = torch.full((h,), float("nan"), dtype=unit.dtype)
-    if t < 2:
-        return nan, nan
-    tail = unit[:, 1:]
-    sink_tail = (tail @ unit[:, 0, :, None]).squeeze(-1).mean(-1)
-    n = t - 1
-    if n < 2:
-        return sink_tail, nan
-    total = tail.sum(1)
-    pair_sum = total.square().sum(-1) - tail.square().sum((-1, -2))
-    return sink_tail, pair_sum / (n * (n - 1))
-
-
-class SinkAlignment(LayerMeans):
-    """Figure 5: per layer, mean over heads of the sink/tail and tail/tail cosines."""
-
-    columns = ("sink_tail", "tail_tail")
-
-    def observe(self, view: BlockView) -> None:
-        if not view.first_block:
-            return
-        sink_tail, tail_tail = alignment(view.projected_values)
-        for k, value in enumerate((sink_tail, tail_tail)):
-            if not bool(torch.isnan(value).any()):
-                self._seq[view.layer, k] += float(value.mean())
-                self._seq_n[view.layer, k] += 1
 
 
 class ComponentPoints(Stat):
@@ -289,36 +217,3 @@ class ComponentPoints(Stat):
         self.sequences = state["sequences"]
         self.all.load_state_dict(state["all"])
         self.first.load_state_dict(state["first"])
-
-
-class LogCorrelations(Stat):
-    """Table 2: Pearson correlations of log α, log r, log|κ| over every valid pair (exact)."""
-
-    def __init__(self, num_layers: int) -> None:
-        super().__init__(num_layers)
-        self.moments = {g: Moments(LOG_NAMES) for g in GROUPS}
-
-    def observe(self, view: BlockView) -> None:
-        ok = view.points & (view.alpha > 0) & (view.r > 0) & (view.kappa != 0)
-        idx = ok.reshape(-1).nonzero().squeeze(1)
-        if idx.numel() == 0:
-            return
-        comps = (view.alpha, view.r, view.kappa.abs())
-        logs = torch.stack([c.reshape(-1)[idx].double().log() for c in comps], dim=-1)
-        first = (idx % view.alpha.shape[-1]) == 0
-        self.moments["all"].add(logs)
-        self.moments["first"].add(logs[first])
-        self.moments["tail"].add(logs[~first])
-
-    def merge(self, state: dict[str, Any]) -> None:
-        super().merge(state)
-        for g, m in self.moments.items():
-            m.merge(state[g])
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"sequences": self.sequences, **{g: m.state_dict() for g, m in self.moments.items()}}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.sequences = state["sequences"]
-        for g, m in self.moments.items():
-            m.load_state_dict(state[g])

@@ -1,14 +1,22 @@
-"""Figures and Markdown tables of a :class:`~..experiments.geometry_result.GeometryResult`.
+"""Figures and Markdown tables of a :class:`~..experiments.geometry.GeometryResult`.
 
 One function per figure, each returning a matplotlib Figure (Agg backend):
 first-token weight per layer (Table 4), sink/tail alignment (Fig. 5), sink-value scaling
 (Fig. 6c), output norm against sink attention with the fitted curves (§6.2), the
 semantic cone with and without the sink (Fig. 6a/b), joint distributions (Fig. 7).
-:func:`write_figures` saves those a result has; :func:`markdown_tables` renders the tables.
+
+Each analysis' figure is registered here by the analysis' name
+(:func:`register_geometry_figure`): ``draw(table, title) -> Figure | None``, given the
+analysis' table (``result.tables[name]``; None: nothing to draw). An analysis defined
+elsewhere registers its figure the same way. :func:`write_figures` saves the figure of
+every analysis of a result that has one; :func:`markdown_tables` joins the analyses'
+Markdown sections.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,23 +28,9 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from ..experiments.geometry_result import (
-    ANALYSES,
-    GeometryResult,
-    analysis_names,
-    get_analysis,
-    norm_fit_summary,
-)
+from ..experiments.geometry import GeometryResult
+from ..registry import Registry
 from .figures import measure_style, save
-
-FIGURES = (
-    "first_token_weight",
-    "sink_alignment",
-    "sink_scaling",
-    "norm_fit",
-    "semantic_cone",
-    "joint_distributions",
-)
 
 
 def plot_first_token_weight(by_layer: pd.DataFrame, title: str = "") -> Figure:
@@ -205,90 +199,84 @@ def plot_joint_distributions(
     return fig
 
 
+# ---- the figure of each analysis, registered by its name -----------------------------------
+Draw = Callable[[Any, str], Figure | None]
+
+
+@dataclass(frozen=True)
+class GeometryFigure:
+    """The figure of the analysis ``name``: ``draw(table, title)``, None when it has nothing."""
+
+    name: str
+    draw: Draw
+
+
+GEOMETRY_FIGURES: Registry[GeometryFigure] = Registry("geometry figure")
+
+
+def register_geometry_figure(name: str, draw: Draw) -> Draw:
+    """Make ``draw(table, title) -> Figure | None`` the figure of the geometry analysis
+    ``name`` (given that analysis' table); :func:`write_figures` saves it as
+    ``geometry-<name>.png``. Returns ``draw``."""
+    GEOMETRY_FIGURES.register(GeometryFigure(name, draw))
+    return draw
+
+
+def unregister_geometry_figure(name: str) -> None:
+    """Remove the figure of ``name`` (tests, plugins that withdraw one)."""
+    GEOMETRY_FIGURES.unregister(name)
+
+
+def _first_token_weight(table: Any, title: str) -> Figure:
+    return plot_first_token_weight(table.first_token_weight_by_layer, title)
+
+
+def _sink_scaling(table: Any, title: str) -> Figure | None:
+    return None if table.skipped else plot_sink_scaling(table.table, table.layers, title)
+
+
+def _norm_fit(table: Any, title: str) -> Figure | None:
+    if not table.norm_points or table.norm_fit.empty:  # a folder read without its state
+        return None
+    return plot_norm_fit(table.norm_fit, table.norm_points, title)
+
+
+def _semantic_cone(table: Any, title: str) -> Figure | None:
+    return plot_semantic_cone(table.cone_snapshot, title=title) if table.cone_snapshot else None
+
+
+register_geometry_figure("first_token_weight", _first_token_weight)
+register_geometry_figure("sink_alignment", plot_sink_alignment)
+register_geometry_figure("sink_scaling", _sink_scaling)
+register_geometry_figure("norm_fit", _norm_fit)
+register_geometry_figure("semantic_cone", _semantic_cone)
+register_geometry_figure("joint_distributions", plot_joint_distributions)
+
+#: the built-in analyses with a figure, in order
+FIGURES = tuple(GEOMETRY_FIGURES.names())
+
+
 def write_figures(
     result: GeometryResult, out: str | Path, title: str = "", dpi: int = 110
 ) -> list[Path]:
-    """One PNG per figure the result has data for, named ``geometry-<analysis>.png``
-    (each registered analysis draws its own figure, ``Analysis.figure``)."""
+    """One PNG per analysis of the result with a registered figure and data for it,
+    named ``geometry-<analysis>.png``."""
     out = Path(out)
     paths = []
-    for name in result.analyses or analysis_names():
-        fig = get_analysis(name).figure(result, title)
+    for analysis, table in result.analysis_tables():
+        if analysis.name not in GEOMETRY_FIGURES:
+            continue
+        fig = GEOMETRY_FIGURES.get(analysis.name).draw(table, title)
         if fig is not None:
-            paths.append(save(fig, out / f"geometry-{name}.png", dpi=dpi))
+            paths.append(save(fig, out / f"geometry-{analysis.name}.png", dpi=dpi))
     return paths
 
 
-def _cell(x: Any) -> str:
-    if isinstance(x, (bool, np.bool_)):
-        return str(bool(x))
-    if isinstance(x, (float, np.floating)):
-        return "n/a" if np.isnan(x) else f"{x:.3f}"
-    return str(x)
-
-
-def _fmt(t: pd.DataFrame, index: bool = True) -> str:
-    """A DataFrame as a Markdown table (3 decimals), without optional dependencies."""
-    head = ([str(t.index.name or "")] if index else []) + [str(c) for c in t.columns]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for row in t.itertuples(index=True, name=None):  # keeps each column's type
-        key, values = row[0], row[1:]
-        cells = ([_cell(key)] if index else []) + [_cell(v) for v in values]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
 def markdown_tables(result: GeometryResult, title: str = "") -> str:
-    """Every table of the result as Markdown."""
+    """Every table of the result as Markdown: each analysis' section, in registry order."""
     parts = [f"# Value geometry and sinks: {title}".rstrip(": "), ""]
-    if result.regression_r2 is not None and result.log_regression_r2 is not None:
-        n = ", ".join(f"{g} {c:,}" for g, c in result.points.items())
-        parts += ["## Component regression, held-out R² (Table 1)", f"Sampled points: {n}.", ""]
-        parts += [
-            _fmt(result.regression_r2),
-            "",
-            "## Log-component regression, held-out R² (Table 3)",
-            "",
-        ]
-        parts += [_fmt(result.log_regression_r2), ""]
-    if result.correlations is not None:
-        parts += [
-            "## Correlations of log components, all tokens (Table 2)",
-            "",
-            _fmt(result.correlations),
-            "",
-        ]
-    ftw = result.first_token_weight
-    if ftw is not None:
-        parts += ["## First-token weight, mean over layers (Table 4)", ""]
-        parts += [_fmt(pd.DataFrame([ftw], index=["E[w_0]"])), ""]
-    if result.entropy is not None:
-        parts += ["## Entropy (Table 5)", "", _fmt(result.entropy), ""]
-    if result.sink_alignment is not None:
-        mean = result.sink_alignment.mean()
-        parts += [
-            "## Sink / tail alignment (Figure 5)",
-            f"Mean over layers: cos(ṽ_0, ṽ_j) = {mean['sink_tail']:.3f}, "
-            f"cos(ṽ_i, ṽ_j) = {mean['tail_tail']:.3f}.",
-            "",
-            _fmt(result.sink_alignment.join(result.sink_rate)),
-            "",
-        ]
-    if result.sink_scaling is not None:
-        layers = result.sink_scaling.layers
-        parts += ["## Sink-value scaling (Figure 6c)", f"Sink layers: {layers}.", ""]
-        if result.sink_scaling.skipped:
-            parts += [f"Not run: {result.sink_scaling.skipped}.", ""]
-        else:
-            parts += [_fmt(result.sink_scaling.table, index=False), ""]
-    if result.norm_fit is not None:
-        summ = norm_fit_summary(result.norm_fit)
-        parts += ["## Output norm vs sink attention (§6.2)", "", _fmt(pd.DataFrame([summ])), ""]
-    if result.semantic_cone is not None:
-        parts += ["## Semantic cone (Figure 6a/b)", "", _fmt(result.semantic_cone), ""]
-    for name in result.analyses:  # sections of analyses registered beyond the built-in ones
-        if name not in ANALYSES:
-            parts += get_analysis(name).markdown(result)
+    for analysis, table in result.analysis_tables():
+        parts += analysis.markdown(table, result)
     return "\n".join(parts)
 
 

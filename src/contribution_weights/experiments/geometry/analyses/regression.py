@@ -1,4 +1,4 @@
-"""Held-out R² of the component regressions (paper Tables 1 and 3, method §5).
+"""Component regressions (paper Tables 1 and 3, method §5): held-out R² of ĉ on its parts.
 
 Pure numpy on sampled points ``(α, r, κ, ĉ)``. Each regression is ordinary least squares
 with an intercept; its score is the mean over ``folds`` folds of the R² on the held-out
@@ -11,13 +11,36 @@ Feature sets:
   α·r, α·κ, r·κ (``ĉ = α·r·κ`` exactly, so each product leaves one factor out);
 * log (Table 3): log|ĉ| on log α, log r, log|κ| singly and on two of them jointly
   (points where any factor is 0 are left out: the log is undefined there).
+
+The points are the shared sample (:class:`~..stats.ComponentPoints`, ``"points"``), per
+token group: all j, j = 0, j ≥ 1.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import pandas as pd
+
+from ...options import GeometryOptions
+from ...stats import Stat
+from ..analysis import (
+    Analysis,
+    SavedRun,
+    TableContext,
+    from_nested,
+    markdown_table,
+    nested,
+    register_analysis,
+    sampled_points,
+)
+
+if TYPE_CHECKING:
+    from ..result import GeometryResult
+
 
 Columns = Mapping[str, np.ndarray]
 FeatureFn = Callable[[Columns], list[np.ndarray]]
@@ -126,3 +149,60 @@ def regression_tables(
     lin = {g: regression_table(c, False, folds, seed) for g, c in groups.items()}
     log = {g: regression_table(c, True, folds, seed) for g, c in groups.items()}
     return lin, log
+
+
+# ---- the analysis --------------------------------------------------------------------------
+@dataclass
+class RegressionTables:
+    """Held-out R², rows the feature sets (index ``features``), columns all / first / tail."""
+
+    regression_r2: pd.DataFrame  # Table 1: ĉ on α, r, κ and pairwise products
+    log_regression_r2: pd.DataFrame  # Table 3: log|ĉ| on log α, log r, log|κ|
+
+
+class Regression(Analysis[RegressionTables]):
+    """Tables 1 and 3: held-out R² of ĉ on its components, linear and in logs."""
+
+    name = "regression"
+    aliases = ("regression_r2", "log_regression_r2")
+    json_keys = ("regression_r2", "log_regression_r2")
+    attributes = ("regression_r2", "log_regression_r2")
+
+    def stats(self, num_layers: int, num_heads: int, options: GeometryOptions) -> dict[str, Stat]:
+        return sampled_points(num_layers, options)
+
+    def build(self, ctx: TableContext) -> RegressionTables:
+        assert ctx.groups is not None
+        lin, log = regression_tables(ctx.groups, ctx.options.folds, ctx.options.seed)
+        return RegressionTables(
+            pd.DataFrame(lin).rename_axis("features"), pd.DataFrame(log).rename_axis("features")
+        )
+
+    def to_json(self, table: RegressionTables) -> dict[str, Any]:
+        return {
+            "regression_r2": nested(table.regression_r2),
+            "log_regression_r2": nested(table.log_regression_r2),
+        }
+
+    def from_saved(self, saved: SavedRun) -> RegressionTables | None:
+        lin, log = saved.tables.get("regression_r2"), saved.tables.get("log_regression_r2")
+        if lin is None or log is None:
+            return None
+        return RegressionTables(from_nested(lin, "features"), from_nested(log, "features"))
+
+    def markdown(self, table: RegressionTables, result: GeometryResult) -> list[str]:
+        n = ", ".join(f"{g} {c:,}" for g, c in result.points.items())
+        return [
+            "## Component regression, held-out R² (Table 1)",
+            f"Sampled points: {n}.",
+            "",
+            markdown_table(table.regression_r2),
+            "",
+            "## Log-component regression, held-out R² (Table 3)",
+            "",
+            markdown_table(table.log_regression_r2),
+            "",
+        ]
+
+
+register_analysis(Regression())

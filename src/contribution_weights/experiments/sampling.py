@@ -1,4 +1,5 @@
-"""Statistics that accumulate across sequences in bounded memory.
+"""Reservoir sampling and running moments: statistics that accumulate across sequences
+in bounded memory.
 
 Every accumulator here takes data in batches of any size, gives the same answer as if
 all the data had come at once, and exposes ``state_dict()`` / ``load_state_dict()`` so

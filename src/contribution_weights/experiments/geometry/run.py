@@ -1,6 +1,6 @@
-"""Value geometry and attention sinks (paper §6 and appendix D; method §3, §5), for any model.
+"""Running the geometry analyses: the accumulator, the experiment, and one function each.
 
-One function per analysis, each taking a :class:`~..loading.LoadedModel` and texts (or
+One function per analysis, each taking a :class:`~...loading.LoadedModel` and texts (or
 token-id lists) and returning a tidy result::
 
     component_regression(model, texts)   # Tables 1 and 3: held-out R², 5-fold CV
@@ -14,12 +14,12 @@ token-id lists) and returning a tidy result::
     joint_distributions(model, texts)    # Figure 7
 
 They all run on :class:`GeometryAccumulator`, a capture observer that feeds each layer's
-:class:`~..measures.layer.LayerTensors` to the streaming statistics of :mod:`.stats` and
-:mod:`.sinks`, one sequence at a time. :func:`analyse` computes every analysis in one pass
-per sequence (plus the γ-batched sink-scaling passes) and returns a
-:class:`~.geometry_result.GeometryResult`.
+:class:`~...measures.layer.LayerTensors` to the statistics the requested analyses need
+(:meth:`~.analysis.Analysis.stats`), one sequence at a time. :func:`analyse` computes
+every requested analysis in one pass per sequence (plus the γ-batched sink-scaling
+passes) and returns a :class:`~.result.GeometryResult`.
 
-Runs. :class:`Geometry` is the experiment the runner (:mod:`.runner`) drives, and
+Runs. :class:`Geometry` is the experiment the runner (:mod:`..runner`) drives, and
 :func:`run_geometry` runs it into a run folder (what ``cw geometry`` does): phase 1
 folds each sequence into the accumulator, whose state (``state.pt``) is replaced
 atomically after every sequence; phase 2, the sink-value scaling passes (which need
@@ -46,27 +46,18 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from ..capture import LayerCall, capturing, check_all_layers_seen
-from ..inputs import encode, resolve_layers
-from ..loading import LoadedModel
-from ..runs import fingerprint
-from .geometry_result import (
-    ANALYSES,
-    SCALING_FILE,
-    STATE_FILE,
-    GeometryOptions,
-    GeometryResult,
-    SinkScalingResult,
-    build_result,
-    make_stats,
-    resolve_analyses,
-)
-from .options import DEFAULT_GAMMAS
-from .result import warn_few_samples
-from .runner import Experiment, Phase, run_experiment
-from .sinks import detect_sink_layers, sink_scaling_nll
-from .state_io import load_state, save_state
-from .stats import BlockView, SinkRate, Stat
+from ...capture import LayerCall, capturing, check_all_layers_seen
+from ...inputs import encode, resolve_layers
+from ...loading import LoadedModel
+from ...runs import fingerprint
+from ..options import GeometryOptions
+from ..result import warn_few_samples
+from ..runner import Experiment, Phase, run_experiment
+from ..state_io import load_state, save_state
+from ..stats import BlockView, SinkRate, Stat
+from .analyses.sink_scaling import SinkScalingResult, detect_sink_layers, sink_scaling_nll
+from .analysis import make_stats, resolve_analyses
+from .result import SCALING_FILE, STATE_FILE, GeometryResult, build_result
 
 
 class NoSinkLayersWarning(UserWarning):
@@ -313,7 +304,7 @@ def run_geometry(
     source: str = "",
 ) -> GeometryResult:
     """Run the geometry analyses over ``texts`` into the run folder ``out`` (resumable;
-    data parallel under ``accelerate launch``, see :mod:`.runner`)."""
+    data parallel under ``accelerate launch``, see :mod:`..runner`)."""
     experiment = Geometry(model, texts, analyses, options, source)
     if "sink_scaling" in experiment.analyses:  # the only table with errors over texts
         warn_few_samples(len(experiment.texts), "text", "sink scaling: ppl_se, nll_se")
@@ -406,27 +397,3 @@ def joint_distributions(
 ) -> pd.DataFrame:
     """Figure 7: sampled pairs with columns alpha, vnorm, kappa, layer, first."""
     return _one(model, texts, "joint_distributions", options).joint
-
-
-__all__ = [
-    "ANALYSES",
-    "DEFAULT_GAMMAS",
-    "Geometry",
-    "GeometryAccumulator",
-    "GeometryOptions",
-    "GeometryResult",
-    "NoSinkLayersWarning",
-    "SinkScalingResult",
-    "analyse",
-    "component_regression",
-    "entropy",
-    "first_token_weight",
-    "joint_distributions",
-    "log_correlations",
-    "norm_fit",
-    "resolve_analyses",
-    "run_geometry",
-    "semantic_cone",
-    "sink_alignment",
-    "sink_scaling",
-]

@@ -1,0 +1,208 @@
+"""What a geometry analysis is, and the registry that finds one by name.
+
+An :class:`Analysis` holds everything about one analysis: the running statistics it
+needs (:meth:`~Analysis.stats`, shared by name), how they become its table
+(:meth:`~Analysis.build`), its ``tables.json`` entries (:meth:`~Analysis.to_json`) and how
+a run folder without its state gives the table back (:meth:`~Analysis.from_saved`), its
+columns of ``per_layer.csv`` and other files, and its section of ``tables.md``
+(:meth:`~Analysis.markdown`). Its figure belongs to the presentation layer, registered
+there by the analysis' name (``presentation.geometry_plots.register_geometry_figure``).
+Register an instance with :func:`register_analysis` and ``cw geometry --only NAME`` runs
+it; the built-in ones live in :mod:`.analyses`, one module each.
+
+Also here: the helpers analyses share to write JSON numbers and Markdown tables.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import numpy as np
+import pandas as pd
+
+from ...registry import Registry
+from ..options import GeometryOptions
+from ..stats import ComponentPoints, SinkRate, Stat
+
+if TYPE_CHECKING:
+    from .result import GeometryResult
+
+T = TypeVar("T")
+
+
+@dataclass
+class TableContext:
+    """What an analysis builds its table from: the run's statistics and its scaling passes."""
+
+    stats: dict[str, Stat]
+    options: GeometryOptions
+    num_layers: int
+    sink_layers: list[int] | None = None
+    scaling_nll: list[list[float]] | None = None
+    scaling_skipped: str | None = None
+    groups: dict[str, dict[str, np.ndarray]] | None = None  # the sampled points per group
+
+    @property
+    def layers(self) -> pd.RangeIndex:
+        return pd.RangeIndex(self.num_layers, name="layer")
+
+
+@dataclass
+class SavedRun:
+    """What a run folder keeps besides its state: ``tables.json`` and ``per_layer.csv``
+    (indexed by layer), read back when the state (``state.pt``) is not there."""
+
+    folder: Path
+    tables: dict[str, Any]
+    per_layer: pd.DataFrame
+
+
+class Analysis(Generic[T]):
+    """One geometry analysis, everything about it in one class; ``T`` is its table's type.
+
+    ``stats`` names the running statistics it needs (shared by name: two analyses asking
+    for ``"points"`` share one sample); ``build`` turns them into its table, kept in
+    ``result.tables[name]``; ``to_json`` gives its entries of ``tables.json`` and
+    ``from_saved`` the table back from them (for run folders published without their
+    state); ``per_layer`` its columns of ``per_layer.csv``, ``files`` any other file it
+    writes; ``markdown`` its section of ``tables.md``. ``result.<attribute>`` reads
+    :meth:`attribute` of the table for each name in :attr:`attributes` (default: the
+    table itself, as ``result.<name>``).
+    """
+
+    name: str = ""
+    aliases: tuple[str, ...] = ()
+    json_keys: tuple[str, ...] = ()  # its keys in tables.json; default (name,)
+    attributes: tuple[str, ...] = ()  # what it answers as result.<attribute>; default (name,)
+
+    def stats(self, num_layers: int, num_heads: int, options: GeometryOptions) -> dict[str, Stat]:
+        return {}
+
+    def build(self, ctx: TableContext) -> T | None:
+        """This analysis' table (None: nothing to show, e.g. passes that did not run)."""
+        return None
+
+    def to_json(self, table: T) -> dict[str, Any]:
+        return {}
+
+    def from_saved(self, saved: SavedRun) -> T | None:
+        """The table rebuilt from a run folder's saved tables (None: it cannot be)."""
+        return None
+
+    def per_layer(self, table: T) -> pd.DataFrame | None:
+        """Columns of ``per_layer.csv`` (indexed by layer), or None."""
+        return None
+
+    def files(self, table: T) -> dict[str, bytes]:
+        """Other files of the run folder, by name."""
+        return {}
+
+    def markdown(self, table: T, result: GeometryResult) -> list[str]:
+        """Lines of this analysis' section of ``tables.md``."""
+        return []
+
+    def attribute(self, table: T, name: str) -> Any:
+        """``result.<name>`` for one of :attr:`attributes` (the table itself by default)."""
+        return getattr(table, name) if self.attributes else table
+
+    def json_entries(self) -> tuple[str, ...]:
+        return self.json_keys or (self.name,)
+
+    def attribute_names(self) -> tuple[str, ...]:
+        return self.attributes or (self.name,)
+
+
+ANALYSES_REGISTRY: Registry[Analysis[Any]] = Registry("analysis", plural="analyses")
+
+
+def register_analysis(analysis: Analysis[Any]) -> Analysis[Any]:
+    """Add (or replace) an analysis by its name; returns it."""
+    return ANALYSES_REGISTRY.register(analysis)
+
+
+def get_analysis(name: str) -> Analysis[Any]:
+    return ANALYSES_REGISTRY.get(name)
+
+
+def analysis_names() -> list[str]:
+    """Every registered analysis, built-in ones first, in order."""
+    return ANALYSES_REGISTRY.names()
+
+
+def resolve_analyses(only: str | Iterable[str] | None) -> list[str]:
+    """``None`` (all), a comma-separated string, or names (or aliases) of registered analyses."""
+    return ANALYSES_REGISTRY.resolve(only)
+
+
+def make_stats(
+    analyses: Sequence[str], num_layers: int, num_heads: int, options: GeometryOptions
+) -> dict[str, Stat]:
+    """The running statistics the analyses need (``sink_rate`` always: it finds sink layers)."""
+    stats: dict[str, Stat] = {"sink_rate": SinkRate(num_layers)}
+    for name in analyses:
+        for key, stat in get_analysis(name).stats(num_layers, num_heads, options).items():
+            stats.setdefault(key, stat)
+    return stats
+
+
+# ---- JSON numbers and Markdown tables, shared by the analyses -------------------------------
+def num(x: Any) -> Any:
+    """A number for JSON: bools and ints as such, NaN and infinities as None."""
+    if isinstance(x, (bool, np.bool_)):
+        return bool(x)
+    if isinstance(x, (int, np.integer)):
+        return int(x)
+    x = float(x)
+    return None if math.isnan(x) or math.isinf(x) else x
+
+
+def records(t: pd.DataFrame) -> list[dict[str, Any]]:
+    """One dict per row (JSON numbers)."""
+    return [{str(k): num(v) for k, v in row.items()} for row in t.to_dict("records")]
+
+
+def nested(t: pd.DataFrame) -> dict[str, dict[str, Any]]:
+    """``{column: {index: value}}`` (JSON numbers)."""
+    return {str(c): {str(i): num(t.loc[i, c]) for i in t.index} for c in t.columns}
+
+
+def from_nested(d: dict[str, dict[str, Any]], index_name: str | None = None) -> pd.DataFrame:
+    """Inverse of :func:`nested` (None back to NaN)."""
+    t = pd.DataFrame(d).rename_axis(index_name)
+    return t.apply(lambda c: c.astype(float) if c.dtype == object else c)
+
+
+def _cell(x: Any) -> str:
+    if isinstance(x, (bool, np.bool_)):
+        return str(bool(x))
+    if isinstance(x, (float, np.floating)):
+        return "n/a" if np.isnan(x) else f"{x:.3f}"
+    return str(x)
+
+
+def markdown_table(t: pd.DataFrame, index: bool = True) -> str:
+    """A DataFrame as a Markdown table (3 decimals), without optional dependencies."""
+    head = ([str(t.index.name or "")] if index else []) + [str(c) for c in t.columns]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in t.itertuples(index=True, name=None):  # keeps each column's type
+        key, values = row[0], row[1:]
+        cells = ([_cell(key)] if index else []) + [_cell(v) for v in values]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def prefixed(t: pd.DataFrame, prefix: str) -> pd.DataFrame | None:
+    """The columns of ``t`` named ``prefix...``, without the prefix (None if there are none)."""
+    cols = [c for c in t.columns if str(c).startswith(prefix)]
+    if not cols:
+        return None
+    return t[cols].rename(columns=lambda c: str(c)[len(prefix) :])
+
+
+def sampled_points(num_layers: int, options: GeometryOptions) -> dict[str, Stat]:
+    """The shared sample of (α, r, κ, ĉ, ‖ṽ‖) points, ``"points"`` (its cap and seed)."""
+    return {"points": ComponentPoints(num_layers, options.cap, options.seed)}
