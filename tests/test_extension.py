@@ -97,3 +97,107 @@ def test_cli_report_and_figures(attention_on, tmp_path, capsys):
     report = write_report(loaded, tmp_path / "r.html", measures=[NAME], progress=False)
     assert NAME in report.measures and NAME in (tmp_path / "r.html").read_text()
     assert measure_style(NAME) == ("black", "*")
+
+
+# ---- an experiment: one module (options, experiment, result, entry point, spec) + figure -----
+def _lengths_experiment():
+    from collections.abc import Iterator
+    from dataclasses import dataclass
+
+    import pandas as pd
+
+    from contribution_weights.experiments.options import Options, option
+    from contribution_weights.experiments.result import ExperimentResult, read_csv, write_csv
+    from contribution_weights.experiments.runner import Experiment, Phase, run_experiment
+    from contribution_weights.runs import fingerprint
+
+    @dataclass
+    class LengthOptions(Options):
+        max_tokens: int = option(512, "cut texts to N tokens", flag="--max-tokens", parse="int")
+
+        def validate(self) -> None:
+            if self.max_tokens < 1:
+                raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+
+    class LengthResult(ExperimentResult):
+        def __init__(self, rows, config, run_info=None):
+            super().__init__(config, run_info)
+            self.rows = rows
+            self.summary = pd.DataFrame({"texts": [len(rows)], "tokens": [rows.tokens.sum()]})
+
+        def write_files(self, folder):
+            write_csv(folder / "lengths.csv", self.rows)
+
+        @classmethod
+        def from_files(cls, folder, config, run_info):
+            rows = pd.DataFrame(read_csv(folder / "lengths.csv")).astype({"tokens": int})
+            return cls(rows, config, run_info)
+
+    class Lengths(Experiment[LengthResult]):
+        name = "lengths"
+
+        def __init__(self, model, texts, options):
+            self.model, self.texts, self.options = model, list(texts), options
+
+        def config(self):
+            return {"experiment": self.name, "model": self.model.name,
+                    **self.options.to_dict(), "texts_sha256": fingerprint(self.texts)}  # fmt: skip
+
+        def run(self, i):
+            ids = self.model.tokenizer(self.texts[i])["input_ids"][: self.options.max_tokens]
+            return [{"text": i, "tokens": len(ids)}]
+
+        def phases(self) -> Iterator[Phase]:
+            yield Phase("lengths", range(len(self.texts)), self.run,
+                        rows_file="lengths.csv", key="text", rows_per_unit=1)  # fmt: skip
+
+        def result(self, rows, run_info):
+            frame = pd.DataFrame(rows["lengths.csv"]).astype({"tokens": int})
+            return LengthResult(frame, self.config(), run_info)
+
+    def lengths(model, texts, *, options=None, out=None, resume=False, source=""):
+        return run_experiment(Lengths(model, texts, options or LengthOptions()), out,
+                              resume=resume, progress=False)  # fmt: skip
+
+    def figure(result, path=None):
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots()
+        ax.bar(result.rows.text, result.rows.tokens)
+        if path is not None:
+            fig.savefig(path)
+        return fig
+
+    return LengthOptions, LengthResult, lengths, figure
+
+
+def test_an_experiment_registered_from_outside_gets_its_command(tmp_path, capsys):
+    from contribution_weights.experiments.spec import EXPERIMENTS, ExperimentSpec
+    from contribution_weights.presentation import figures
+
+    options, result_type, run, figure = _lengths_experiment()
+    spec = ExperimentSpec("lengths", "tokens per text (a test)", options, run,
+                          figure="lengths.png")  # fmt: skip
+    try:
+        from contribution_weights.experiments.spec import register_experiment
+
+        register_experiment(spec)
+        figures.register_figure(result_type, figure)
+        folder = save_tiny("llama", tmp_path / "model")
+        texts = tmp_path / "texts.txt"
+        texts.write_text("one two three\n\nfour five\n\nsix")
+        out = tmp_path / "run"
+        argv = ["lengths", "--file", str(texts), "--model", str(folder), "--out", str(out)]
+        assert main([*argv, "--max-tokens", "0"]) == 2  # the options validate themselves
+        assert "max_tokens must be at least 1" in capsys.readouterr().err
+        assert main([*argv, "--max-tokens", "4"]) == 0
+        printed = capsys.readouterr().out
+        assert "lengths.csv" in printed and "lengths.png" in printed
+        assert (out / "lengths.png").stat().st_size > 0
+        loaded = result_type.load(out)
+        assert len(loaded.rows) == 3 and loaded.rows.tokens.max() <= 4
+        assert main([*argv, "--max-tokens", "4", "--resume"]) == 0  # resumes: nothing to redo
+        assert cw.plot(loaded) is not None  # the API draws the same registered figure
+    finally:
+        EXPERIMENTS.unregister("lengths")
+        figures._FIGURES.pop(result_type, None)

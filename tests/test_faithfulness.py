@@ -324,7 +324,7 @@ def test_smollm2_ihc_comprehensiveness_grows_with_rate(smollm2, shared_data):
 
 
 def test_rows_are_chunked_by_memory_and_halved_on_out_of_memory(monkeypatch):
-    from contribution_weights import interventions as removal
+    from contribution_weights.interventions import batching as removal
 
     lm = tiny_model("llama")
     assert removal.auto_batch_size(lm, 40, 1) == 1
@@ -536,7 +536,8 @@ def test_intervened_logprobs_takes_any_intervention_per_chunk():
 def test_column_sum_token_scores_equal_the_full_measure_tensors(model_type, monkeypatch):
     """The ranking's per-key column sums (attention, vw, vw_on, ihc) and the reuse of the
     forward's probabilities give the scores, removals and NLLs of the generic path."""
-    from contribution_weights import capture, interventions
+    from contribution_weights import capture
+    from contribution_weights.interventions import removal as removal_module
 
     lm = tiny_model(model_type)
     ids = _ids()
@@ -550,13 +551,18 @@ def test_column_sum_token_scores_equal_the_full_measure_tensors(model_type, monk
         return probe.history, logits
 
     fast, fast_logits = run()
-    monkeypatch.setattr(interventions, "column_sums_of", lambda measure: None)
+    looked_up: list[str] = []  # the slow path: no column sums (append returns None)
+    monkeypatch.setattr(removal_module, "column_sums_of", lambda m: looked_up.append(m))
     monkeypatch.setattr(
         capture.LayerCall,
         "row_blocks",
         lambda self: [slice(0, self.q_len // 2), slice(self.q_len // 2, self.q_len)],
     )  # no shared probs
     slow, slow_logits = run()
+    # the patch must reach the lookup, or both runs took the fast path; column sums serve
+    # the layers with a mask (gemma2's sliding windows), plain causal ones (mask None) not
+    if model_type == "gemma2":
+        assert looked_up, "column_sums_of is looked up elsewhere: the slow path was not forced"
     for layer, rec in slow.items():
         torch.testing.assert_close(fast[layer].scores, rec.scores, rtol=1e-5, atol=1e-7,
                                    equal_nan=True)  # fmt: skip
@@ -613,3 +619,26 @@ def test_one_text_warns_that_standard_errors_need_two(tmp_path, monkeypatch, cap
     err = capsys.readouterr().err
     assert "cw faithfulness: warning: only 1 text:" in err and "--n 2 or more" in err
     assert "UserWarning" not in err and "FewSamplesWarning" not in err  # one plain line
+
+
+def test_a_folder_with_the_old_sha1_fingerprint_resumes(tmp_path):
+    """Every experiment fingerprints its texts as texts_sha256; faithfulness folders written
+    before hold texts_sha1 and still resume with the same texts (and only with them)."""
+    import json
+
+    from contribution_weights.runs import RunFolderError, fingerprint
+
+    lm = tiny_model("llama")
+    texts = [TEXT, TEXT[::-1]]
+    kw = dict(measures=["attention"], rates=[0.5], progress=False)
+    first = faithfulness(lm, texts, out=tmp_path / "r", **kw)
+    config_file = tmp_path / "r" / "config.json"
+    config = json.loads(config_file.read_text())
+    assert config["texts_sha256"] == fingerprint(texts)
+    del config["texts_sha256"]
+    config["texts_sha1"] = fingerprint(texts, algorithm="sha1")  # as older versions wrote
+    config_file.write_text(json.dumps(config))
+    again = faithfulness(lm, texts, out=tmp_path / "r", resume=True, **kw)
+    pd.testing.assert_frame_equal(again.summary, first.summary)
+    with pytest.raises(RunFolderError, match="texts_sha1"):
+        faithfulness(lm, [TEXT], out=tmp_path / "r", resume=True, **kw)

@@ -261,7 +261,7 @@ def test_kv_eval_runs_resumes_and_summarises(tmp_path: Any) -> None:
     fig = plot(lm)
     assert len(fig.axes) == 2 and fig.axes[1].get_yscale() == "symlog"  # raw and paired panels
     with pytest.raises(ValueError, match="compression ratio"):
-        KVEvalOptions(ratios=[0.5, 1.0]).check()
+        KVEvalOptions(ratios=[0.5, 1.0])
 
 
 def test_an_interrupted_kv_eval_keeps_its_items_and_says_it_did_not_finish(

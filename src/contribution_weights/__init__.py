@@ -31,7 +31,8 @@ imports only modules of its own layer or below.
 
 No module imports a higher layer, not even lazily inside a function: results know
 nothing of their figures. The figures register themselves by result type
-(``presentation.figures.register_figure``) and ``cw.plot(result)`` draws one;
+(``presentation.figures.register_figure``; geometry's by analysis name,
+``presentation.geometry_plots.register_geometry_figure``) and ``cw.plot(result)`` draws one;
 ``cw.write_report(trace)`` writes a trace's report, and in Jupyter a trace displays as
 that report (this ``__init__`` registers the display with IPython by type name).
 """

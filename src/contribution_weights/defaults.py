@@ -29,3 +29,5 @@ SINK_COSINE = 0.95
 #: KV-cache evaluation (``experiments.kv_eval``): its tasks and compression ratios
 KV_TASKS = ("lm", "passkey")
 KV_RATIOS = (0.0, 0.25, 0.5, 0.75, 0.9)
+#: the observation window of a KV prefill: its last queries (``kv.methods.WINDOW``)
+KV_WINDOW = 64

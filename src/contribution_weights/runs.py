@@ -25,8 +25,9 @@ def fingerprint(items: Iterable[Any], *, algorithm: str = "sha256") -> str:
     with other inputs is refused.
 
     Each item is a string (hashed as is) or a JSON-able value (hashed as sorted JSON);
-    items are separated by a NUL byte. ``algorithm`` is any :mod:`hashlib` name (run
-    folders written before this helper used sha1 for faithfulness, sha256 for geometry).
+    items are separated by a NUL byte. Every experiment stores it as ``texts_sha256``;
+    ``algorithm`` is any :mod:`hashlib` name (faithfulness folders written before that
+    hold a sha1 one as ``texts_sha1``, and still resume).
     """
     digest = hashlib.new(algorithm)
     for item in items:
@@ -59,24 +60,37 @@ class RunFolderError(RuntimeError):
 class RunFolder:
     """A folder of one experiment run."""
 
-    def __init__(self, path: str | Path, config: Mapping[str, Any], resume: bool = False):
+    def __init__(
+        self,
+        path: str | Path,
+        config: Mapping[str, Any],
+        resume: bool = False,
+        older: Mapping[str, tuple[str, Any]] | None = None,
+    ):
         self.path = Path(path)
         self.config = dict(config)
         cfg_file = self.path / "config.json"
         if cfg_file.exists():
-            RunFolder.check(self.path, self.config, resume)
+            RunFolder.check(self.path, self.config, resume, older)
             self.drop_partial_lines()
         else:
             self.path.mkdir(parents=True, exist_ok=True)
             self.write_json("config.json", self.config, indent_sort=True)
 
     @staticmethod
-    def check(path: str | Path, config: Mapping[str, Any], resume: bool = False) -> None:
+    def check(
+        path: str | Path,
+        config: Mapping[str, Any],
+        resume: bool = False,
+        older: Mapping[str, tuple[str, Any]] | None = None,
+    ) -> None:
         """Refuse (with :class:`RunFolderError`) to reuse ``path`` for ``config``, reading only.
 
         A folder holding a run needs ``resume``, and then the same config: the keys that
         differ are named. Keys in :data:`INFORMATIONAL` (where the texts came from, as
         spelled) are not compared: the inputs are compared by their content's fingerprint.
+        ``older`` maps a key older folders hold to ``(the key it became, this run's value
+        under the old key)``, so a folder written before the rename still resumes.
         """
         path = Path(path)
         cfg_file = path / "config.json"
@@ -88,6 +102,11 @@ class RunFolder:
                 f"{path} already holds a run; pass resume=True (CLI: --resume) to "
                 "continue it, or choose another --out folder"
             )
+        config = dict(config)
+        for old_key, (new_key, value) in (older or {}).items():
+            if old_key in old and new_key not in old:
+                config[old_key] = value
+                config.pop(new_key, None)
         diff = sorted(
             k
             for k in set(old) | set(config)

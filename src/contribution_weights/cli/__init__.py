@@ -1,9 +1,12 @@
 """The ``cw`` command line.
 
-Each sub-command lives in its own module exposing ``register(subparsers)``, which adds
-its parser and sets ``func`` (a callable taking the parsed arguments and returning an
-exit code). Choices such as measure names are read from the same registries the Python
-API uses.
+Each hand-written sub-command lives in its own module exposing ``register(subparsers)``,
+which adds its parser and sets ``func`` (a callable taking the parsed arguments and
+returning an exit code); every experiment registered with
+:func:`~..experiments.spec.register_experiment` gets a command generated from its spec
+(:mod:`.experiment_cmd`). Choices such as measure names are read from the same registries
+the Python API uses. The parser is built from light modules only, so ``--help`` and
+argument errors answer before torch is imported.
 """
 
 from __future__ import annotations
@@ -16,9 +19,10 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from ..experiments.spec import EXPERIMENTS
 from . import (
     downstream_cmd,
-    faithfulness_cmd,
+    experiment_cmd,
     geometry_cmd,
     kv_cmd,
     measures_cmd,
@@ -26,11 +30,11 @@ from . import (
     trace_cmd,
 )
 
+#: commands written by hand; every registered experiment gets one generated from its spec
 COMMANDS = [
     trace_cmd,
     measures_cmd,
     report_cmd,
-    faithfulness_cmd,
     downstream_cmd,
     geometry_cmd,
     kv_cmd,
@@ -46,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     for command in COMMANDS:
         command.register(sub)
+    taken = set(sub.choices)
+    for spec in EXPERIMENTS:
+        if spec.name not in taken:
+            experiment_cmd.register(sub, spec)
     return parser
 
 

@@ -7,6 +7,7 @@ import re
 import sys
 from pathlib import Path
 
+from ..data import TEXT_DATASETS
 from ..defaults import EMBEDDED_MODELS
 
 
@@ -73,7 +74,7 @@ def add_corpus_arguments(p: argparse.ArgumentParser) -> None:
     """Where the texts of a corpus experiment come from: --dataset | --texts | --file,
     --field, --n and --data-dir (read them with :func:`load_corpus`)."""
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--dataset", choices=["gsm8k", "fineweb-edu"], help="evaluation data set")
+    src.add_argument("--dataset", choices=TEXT_DATASETS, help="evaluation data set")
     src.add_argument("--texts", type=Path, help="a .jsonl file of texts (field: --field)")
     src.add_argument("--file", type=Path, help="a .txt file (texts separated by blank lines)")
     p.add_argument("--field", default="text", help="JSONL field holding the text (default text)")

@@ -8,7 +8,7 @@ from pathlib import Path
 from ..data import TASKS
 from ..experiments.options import DownstreamOptions
 from .common import check_out_dir, model_device, positive_int
-from .faithfulness_cmd import add_run_arguments, print_skipped
+from .experiment_cmd import add_run_arguments, print_skipped
 from .options import add_options, options_from_args
 
 

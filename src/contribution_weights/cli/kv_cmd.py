@@ -5,15 +5,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..defaults import KV_RATIOS as DEFAULT_RATIOS
+from ..data import TEXT_DATASETS
 from ..defaults import KV_TASKS as TASKS
-from .common import (
-    add_model_arguments,
-    check_out_dir,
-    model_device,
-    parse_floats,
-    positive_int,
-)
+from ..experiments.options import KVEvalOptions
+from .common import add_model_arguments, check_out_dir, model_device
+from .options import add_options, options_from_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -23,32 +19,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "128 tokens (lm) or passkey accuracy",
     )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--dataset", choices=["gsm8k", "fineweb-edu"], help="LM data set")
+    src.add_argument("--dataset", choices=TEXT_DATASETS, help="LM data set")
     src.add_argument("--texts", type=Path, help="a .jsonl file of texts (field: --field) for LM")
     src.add_argument("--task", choices=TASKS, help="lm or passkey (passkey needs no data)")
     p.add_argument("--field", default="text", help="JSONL field holding the text (default text)")
     p.add_argument("--data-dir", type=Path, default=None, help="data folder (else $CW_DATA_DIR)")
-    p.add_argument("--n", type=positive_int, default=32, help="items per cell (default 32)")
-    p.add_argument(
-        "--methods",
-        default="all",
-        help="comma-separated methods (default all; docs/kv-cache.md describes them, and an "
-        "unknown name is answered with the list)",
-    )
-    p.add_argument(
-        "--ratios",
-        type=parse_floats,
-        default=list(DEFAULT_RATIOS),
-        help="compression ratios in [0, 1): the fraction of entries evicted; 0 = none "
-        f"(default {','.join(map(str, DEFAULT_RATIOS))})",
-    )
-    p.add_argument(
-        "--context-tokens",
-        type=positive_int,
-        default=512,
-        help="C: tokens prefilled and compressed (default 512)",
-    )
-    p.add_argument("--seed", type=int, default=0, help="passkey items and random scores")
+    add_options(p, KVEvalOptions)
     p.add_argument("--out", type=Path, required=True, help="output folder")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     add_model_arguments(p)
@@ -57,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from .. import data
-    from ..experiments.kv_eval import METRIC, KVEvalOptions, kv_eval
+    from ..experiments.kv_eval import METRIC, kv_eval
     from ..experiments.result import few_samples_on_stderr
     from ..experiments.runner import processes
     from ..loading import load_model
@@ -77,14 +53,7 @@ def run(args: argparse.Namespace) -> int:
             texts, source = data.read_texts(args.texts, field=args.field), str(args.texts)
         else:
             raise ValueError("--task lm needs texts: use --dataset NAME or --texts FILE.jsonl")
-    options = KVEvalOptions(
-        task=task,
-        methods=args.methods,
-        ratios=args.ratios,
-        context_tokens=args.context_tokens,
-        n=args.n,
-        seed=args.seed,
-    ).check()  # bad options fail before the model loads
+    options = options_from_args(KVEvalOptions, args, task=task)  # fail before the model loads
     model = load_model(args.model, dtype=args.dtype, device=model_device(args))
     more = "--n 2 or more" + (
         f"; the lm task makes an item of every {options.context_tokens + 129} tokens of "
@@ -105,11 +74,8 @@ def run(args: argparse.Namespace) -> int:
             f"only {n_done} of {options.n} items: the texts ran out (each needs "
             f"{options.context_tokens + 129} tokens)"
         )
-    written = "config.json, per_item.csv, summary.csv, summary_paired.csv, run_info.json"
-    if task == "passkey":
-        written += ", summary_depth.csv"
     if not result.summary.empty:
         plot(result, args.out / f"kv-{METRIC[task]}.png")
-        written += f", kv-{METRIC[task]}.png"
-    print(f"wrote {args.out}/{written}")
+    written = sorted(p.name for p in Path(args.out).iterdir() if p.is_file())
+    print(f"wrote {args.out}/{', '.join(written)}")
     return 0

@@ -189,9 +189,14 @@ class Faithfulness(Experiment[FaithfulnessResult]):
             "model": self.model.name,
             **self.options.to_dict(),
             "n_texts": len(self.texts),
-            "texts_sha1": fingerprint(self.texts, algorithm="sha1"),  # sha1: older runs resume
+            "texts_sha256": fingerprint(self.texts),
             "source": self.source,
         }
+
+    def older_keys(self) -> dict[str, tuple[str, Any]]:
+        """Run folders written before every experiment used ``texts_sha256`` hold the sha1
+        fingerprint as ``texts_sha1``; they resume when it matches these texts."""
+        return {"texts_sha1": ("texts_sha256", fingerprint(self.texts, algorithm="sha1"))}
 
     def run(self, i: int) -> list[dict[str, Any]]:
         text = self.texts[i]

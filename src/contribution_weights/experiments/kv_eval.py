@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +22,12 @@ import pandas as pd
 import torch
 
 from ..defaults import KV_RATIOS, KV_TASKS  # light: the CLI shows them before torch
-from ..kv import compress, prefill, resolve_methods
-from ..kv.cache import check_ratio
+from ..kv import compress, prefill
 from ..kv.evaluate import lm_item, lm_items, lm_score, passkey_items, passkey_score
-from ..kv.methods import WINDOW
 from ..loading import LoadedModel
 from ..runs import fingerprint
-from .result import warn_few_samples
+from .options import KVEvalOptions
+from .result import ExperimentResult, warn_few_samples, write_csv
 from .runner import Experiment, Phase, run_experiment
 
 TASKS = KV_TASKS
@@ -42,51 +40,18 @@ SUMMARY_PAIRED = "summary_paired.csv"
 NO_COMPRESSION = "none"
 
 
-@dataclass
-class KVEvalOptions:
-    """Options shared by :func:`kv_eval` and ``cw kv-eval``."""
+class KVEvalResult(ExperimentResult):
+    """Per-item rows, their summaries, the run's configuration and run_info."""
 
-    task: str = "lm"
-    methods: Sequence[str] | str = "all"
-    ratios: Sequence[float] = DEFAULT_RATIOS
-    context_tokens: int = 512
-    n: int = 32
-    window: int = WINDOW
-    seed: int = 0
-
-    def check(self) -> KVEvalOptions:
-        if self.task not in TASKS:
-            raise ValueError(f"unknown task {self.task!r}; choose from {', '.join(TASKS)}")
-        methods = resolve_methods(self.methods)
-        ratios = sorted({check_ratio(r) for r in self.ratios})
-        if not ratios:
-            raise ValueError("give at least one compression ratio, e.g. 0,0.5,0.9")
-        if self.context_tokens < 2 * self.window:
-            raise ValueError(
-                f"--context-tokens {self.context_tokens} is too short for an observation "
-                f"window of {self.window} queries; use at least {2 * self.window}"
-            )
-        if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}")
-        return KVEvalOptions(
-            self.task, methods, ratios, self.context_tokens, self.n, self.window, self.seed
-        )
-
-    def configurations(self) -> list[tuple[str, float]]:
-        out = [(NO_COMPRESSION, 0.0)] if 0.0 in self.ratios else []
-        return out + [(m, r) for m in self.methods for r in self.ratios if r > 0]
-
-
-@dataclass
-class KVEvalResult:
-    """Per-item rows, their summary, and the run's configuration."""
-
-    per_item: pd.DataFrame
-    config: dict[str, Any]
-    summary: pd.DataFrame = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.summary = summarise(self.per_item, self.config["task"])
+    def __init__(
+        self,
+        per_item: pd.DataFrame,
+        config: dict[str, Any],
+        run_info: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(config, run_info)
+        self.per_item = per_item
+        self.summary = summarise(per_item, config["task"])
 
     def by_depth(self) -> pd.DataFrame:
         """Passkey accuracy per (method, ratio, depth)."""
@@ -99,31 +64,29 @@ class KVEvalResult:
         whose spread is mostly how hard each text is."""
         return paired_summary(self.per_item, self.config["task"])
 
-    @classmethod
-    def load(cls, folder: str | Path) -> KVEvalResult:
-        """The rows written so far in a run folder (a finished or an interrupted run)."""
-        import json
-
+    def write_summary(self, folder: Path) -> None:
+        """``summary.csv``, ``summary_paired.csv`` (and ``summary_depth.csv`` for passkey);
+        the runner's hook at the end of a run."""
         folder = Path(folder)
-        config = json.loads((folder / "config.json").read_text())
+        write_csv(folder / SUMMARY, self.summary)
+        write_csv(folder / SUMMARY_PAIRED, self.paired())
+        if self.config["task"] == "passkey":
+            write_csv(folder / SUMMARY_DEPTH, self.by_depth())
+
+    def write_files(self, folder: Path) -> None:
+        write_csv(Path(folder) / PER_ITEM, self.per_item)
+        self.write_summary(folder)
+
+    @classmethod
+    def from_files(
+        cls, folder: Path, config: dict[str, Any], run_info: dict[str, Any]
+    ) -> KVEvalResult:
+        """The complete items written so far (a finished or an interrupted run)."""
         per_item = pd.read_csv(folder / PER_ITEM)
         rows_per_item = per_item.groupby("item").size()
         complete = rows_per_item[rows_per_item == rows_per_item.max()].index
-        return cls(per_item[per_item["item"].isin(complete)].reset_index(drop=True), config)
-
-    def write_summary(self, folder: str | Path) -> None:
-        """The runner's hook at the end of a run: the summaries into the run folder."""
-        self.save(folder)
-
-    def save(self, folder: str | Path) -> Path:
-        """Write ``summary.csv``, ``summary_paired.csv`` (and ``summary_depth.csv`` for
-        passkey) into ``folder``."""
-        folder = Path(folder)
-        self.summary.to_csv(folder / SUMMARY, index=False)
-        self.paired().to_csv(folder / SUMMARY_PAIRED, index=False)
-        if self.config["task"] == "passkey":
-            self.by_depth().to_csv(folder / SUMMARY_DEPTH, index=False)
-        return folder
+        rows = per_item[per_item["item"].isin(complete)].reset_index(drop=True)
+        return cls(rows, config, run_info)
 
 
 def summarise(per_item: pd.DataFrame, task: str, by: Sequence[str] = ()) -> pd.DataFrame:
@@ -215,11 +178,10 @@ class KVEval(Experiment["KVEvalResult"]):
     ) -> None:
         self.model, self.opts = model, opts
         self.items = list(_items(model, opts, texts))  # at most n items: tokens only
-        options = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(opts).items()}
         self._config = {
             "experiment": "kv-eval",
             "model": model.name,
-            **options,
+            **opts.to_dict(),
             "texts_sha256": fingerprint(texts or []),
             "source": source or opts.task,
         }
@@ -249,7 +211,7 @@ class KVEval(Experiment["KVEvalResult"]):
             "items_available": len(self.items),
             "seconds": run_info["seconds"],
         }
-        return KVEvalResult(_typed(pd.DataFrame(rows.get(PER_ITEM, []))), config)
+        return KVEvalResult(_typed(pd.DataFrame(rows.get(PER_ITEM, []))), config, run_info)
 
 
 def _typed(frame: pd.DataFrame) -> pd.DataFrame:
@@ -281,7 +243,7 @@ def kv_eval(
     Resumable in ``out`` and data parallel under ``accelerate launch``, like every
     experiment of the runner.
     """
-    opts = (options or KVEvalOptions()).check()
+    opts = options or KVEvalOptions()
     if opts.task == "lm" and not texts:
         raise ValueError("the lm task needs texts: pass --dataset or --texts")
     experiment = KVEval(model, texts, opts, source)

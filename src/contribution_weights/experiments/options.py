@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..defaults import MODES, SCOPES, SINK_COSINE
+from ..defaults import KV_RATIOS, KV_TASKS, KV_WINDOW, MODES, SCOPES, SINK_COSINE
 
 if TYPE_CHECKING:
     from ..interventions import Removal
@@ -319,3 +319,64 @@ class GeometryOptions(Options):
         self.sink_layer_threshold = float(self.sink_layer_threshold)
         if not 0 < float(self.low_quantile) < 1 or not 0 < float(self.cone_coverage) <= 1:
             raise ValueError("low_quantile must lie in (0, 1) and cone_coverage in (0, 1]")
+
+
+@dataclass
+class KVEvalOptions(Options):
+    """Options shared by :func:`~.kv_eval.kv_eval` and ``cw kv-eval`` (checked on creation).
+
+    Attributes:
+        task: ``"lm"`` (NLL of the next 128 tokens) or ``"passkey"`` (the CLI sets it from
+            ``--task`` or the data given).
+        methods: ``"all"`` or names of registered KV-cache methods.
+        ratios: compression ratios in [0, 1), the fraction of entries evicted (0: none).
+        context_tokens: C, the tokens prefilled and compressed.
+        n: items per cell.
+        window: the observation window, the last prefill queries methods read.
+        seed: passkey items and random scores.
+    """
+
+    task: str = option("lm", "lm or passkey", choices=KV_TASKS)
+    methods: list[str] | str = option(
+        "all",
+        "comma-separated methods (default all; docs/kv-cache.md describes them, and an "
+        "unknown name is answered with the list)",
+        flag="--methods",
+    )
+    ratios: list[float] = option(
+        KV_RATIOS,
+        "compression ratios in [0, 1): the fraction of entries evicted; 0 = none",
+        flag="--ratios", parse="floats",
+    )  # fmt: skip
+    context_tokens: int = option(
+        512, "C: tokens prefilled and compressed", flag="--context-tokens", parse="int"
+    )
+    n: int = option(32, "items per cell", flag="--n", parse="int")
+    window: int = option(
+        KV_WINDOW, "observation window: the last prefill queries", flag="--window", parse="int"
+    )
+    seed: int = option(0, "passkey items and random scores", flag="--seed", parse="int")
+
+    def validate(self) -> None:
+        from ..kv.cache import check_ratio  # needs torch: checked when options are made
+        from ..kv.methods import resolve_methods
+
+        if self.task not in KV_TASKS:
+            raise ValueError(f"unknown task {self.task!r}; choose from {', '.join(KV_TASKS)}")
+        self.methods = resolve_methods(self.methods)
+        self.ratios = sorted({check_ratio(r) for r in as_floats(self.ratios)})
+        if not self.ratios:
+            raise ValueError("give at least one compression ratio, e.g. 0,0.5,0.9")
+        for name in ("context_tokens", "n", "window"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.context_tokens < 2 * self.window:
+            raise ValueError(
+                f"--context-tokens {self.context_tokens} is too short for an observation "
+                f"window of {self.window} queries; use at least {2 * self.window}"
+            )
+
+    def configurations(self) -> list[tuple[str, float]]:
+        """(method, ratio) pairs a kv-eval item is evaluated in; ``none`` is ratio 0."""
+        out = [("none", 0.0)] if 0.0 in self.ratios else []
+        return out + [(m, r) for m in self.methods for r in self.ratios if r > 0]

@@ -124,6 +124,12 @@ class Experiment(ABC, Generic[R]):
     def result(self, rows: Mapping[str, list[dict[str, str]]], run_info: dict[str, Any]) -> R:
         """The result from every phase's rows (by file name, as read back) and run_info."""
 
+    def older_keys(self) -> dict[str, tuple[str, Any]]:
+        """Config keys of older run folders: ``{old_key: (new_key, this run's value under
+        the old key)}``; a folder holding ``old_key`` instead of ``new_key`` resumes when
+        the values match (:meth:`~..runs.RunFolder.check`)."""
+        return {}
+
 
 # ---- processes ---------------------------------------------------------------------------
 @dataclass
@@ -197,10 +203,11 @@ def run_experiment(
         ) as tmp:  # rows only; states stay in memory
             return _run(experiment, RunFolder(tmp, config), procs, progress, keep=False)
     # every process checks the folder (same inputs, same verdict) before any writes
-    RunFolder.check(out, config, resume=resume)
+    older = experiment.older_keys()
+    RunFolder.check(out, config, resume=resume, older=older)
     procs.barrier()
     if procs.main:
-        RunFolder(out, config, resume=True)  # writes config.json when new
+        RunFolder(out, config, resume=True, older=older)  # writes config.json when new
     procs.barrier()
     return _run(experiment, RunFolder.existing(out, config), procs, progress, keep=True)
 

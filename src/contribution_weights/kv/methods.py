@@ -51,10 +51,11 @@ from jaxtyping import Float
 from torch import Tensor
 from torch.nn import functional as F
 
+from ..defaults import KV_WINDOW
 from ..registry import Registry
 
 N_SINK = 4
-WINDOW = 64
+WINDOW = KV_WINDOW  # defaults.py: light, the CLI shows it
 KERNEL = 5
 
 Scores = Float[Tensor, "b g t"]

@@ -1,0 +1,87 @@
+"""Experiments registered by name: what ``cw <experiment>`` needs of each, declared once.
+
+An :class:`ExperimentSpec` names the experiment's options class, its entry point (a
+``"module:function"`` path, imported only when the command runs, so that ``cw --help``
+stays light), the inputs it reads, and the file its figure goes to. The command line
+generates ``cw <name>`` from every registered spec (``cli/experiment_cmd.py``): the
+corpus arguments, one flag per option, the run-folder and model arguments; it runs the
+experiment, prints its summary and writes its figure (registered by result type in the
+presentation layer). A new experiment is one module (options, :class:`~.runner.Experiment`,
+result, entry point, and a :func:`register_experiment` call) plus its figure.
+
+Pure Python: importing this module imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..registry import Registry
+from .options import FaithfulnessOptions, Options
+
+#: what an experiment reads: texts of a corpus (--dataset | --texts | --file), or nothing
+INPUTS = ("corpus", "none")
+
+
+@dataclass(frozen=True)
+class ExperimentSpec:
+    """How ``cw <name>`` runs an experiment.
+
+    Attributes:
+        name: the command.
+        help: one line for ``cw --help``.
+        options: the options dataclass (an :class:`~.options.Options`): its flagged fields
+            become the command's flags.
+        run: the entry point, ``run(model, inputs, *, options, out, resume, source, ...)``
+            returning an :class:`~.result.ExperimentResult`: a callable, or a
+            ``"module:function"`` path imported when the command runs.
+        inputs: one of :data:`INPUTS`.
+        batch_size: the entry point takes ``batch_size`` (the command adds ``--batch-size``).
+        figure: the file name of the figure in the run folder (None: no figure).
+    """
+
+    name: str
+    help: str
+    options: type[Options]
+    run: str | Callable[..., Any]
+    inputs: str = "corpus"
+    batch_size: bool = False
+    figure: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.inputs not in INPUTS:
+            raise ValueError(f"inputs must be one of {', '.join(INPUTS)}, not {self.inputs!r}")
+
+    def entry_point(self) -> Callable[..., Any]:
+        """The run function (imported now if given as a path)."""
+        if callable(self.run):
+            return self.run
+        module, _, name = self.run.partition(":")
+        value: Callable[..., Any] = getattr(importlib.import_module(module), name)
+        return value
+
+
+EXPERIMENTS: Registry[ExperimentSpec] = Registry("experiment")
+
+
+def register_experiment(spec: ExperimentSpec) -> ExperimentSpec:
+    """Add (or replace) an experiment; ``cw <name>`` is generated from it."""
+    return EXPERIMENTS.register(spec)
+
+
+register_experiment(
+    ExperimentSpec(
+        "faithfulness",
+        "comprehensiveness/sufficiency: ΔPPL when the top/bottom tokens of each measure "
+        "are removed",
+        FaithfulnessOptions,
+        "contribution_weights.experiments.faithfulness:faithfulness",
+        batch_size=True,
+        figure="faithfulness.png",
+    )
+)
+
+__all__ = ["EXPERIMENTS", "INPUTS", "ExperimentSpec", "register_experiment"]
