@@ -7,13 +7,23 @@ measure the naive way in float64.
 
 from __future__ import annotations
 
+import gc
+import weakref
+
+import numpy as np
 import pytest
 import torch
 from reference import allowed, eager_logits, eager_run, output_projection, window
 from tiny_models import tiny_model
 
 import contribution_weights as cw
-from contribution_weights.capture import ATTN_IMPLEMENTATION, LayerCall, capturing
+from contribution_weights.capture import (
+    ATTN_IMPLEMENTATION,
+    BlockClosedError,
+    LayerBlock,
+    LayerCall,
+    capturing,
+)
 from contribution_weights.measures.registry import get_measure
 
 MEASURES = ["attention", "contribution", "intra", "relative_norm", "cosine", "vw", "vw_on"]
@@ -47,14 +57,14 @@ class Recorder:
         self.outputs: dict[int, list[torch.Tensor]] = {}
         self.measures: dict[int, list[dict[str, torch.Tensor]]] = {}
 
-    def observe(self, call: LayerCall, rows: slice, probs: torch.Tensor) -> None:
-        lt = call.layer_tensors(rows, probs, torch.float64)
-        self.probs.setdefault(call.layer_idx, []).append(probs.detach().clone())
-        self.outputs.setdefault(call.layer_idx, []).append(lt.output)
+    def observe(self, view: LayerBlock) -> None:
+        lt = view.tensors(torch.float64)
+        self.probs.setdefault(view.layer_idx, []).append(view.probs.detach().clone())
+        self.outputs.setdefault(view.layer_idx, []).append(lt.output)
         names = [*MEASURES, "distance"]
         computed = {name: get_measure(name).compute(lt) for name in names}
         computed["bias_share"] = lt.bias_share
-        self.measures.setdefault(call.layer_idx, []).append(computed)
+        self.measures.setdefault(view.layer_idx, []).append(computed)
 
     def joined(self, layer: int, name: str) -> torch.Tensor:
         parts = [m[name] for m in self.measures[layer]]
@@ -354,3 +364,100 @@ def test_batched_interventions_equal_one_at_a_time(family):
             single = model(input_ids=IDS[None], use_cache=False).logits
         torch.testing.assert_close(batched[b], single[0], rtol=1e-5, atol=1e-6)
     assert not torch.allclose(batched[0], batched[1])
+
+
+# ---- one view per block, shared by every observer -------------------------------------------
+class KeepViews:
+    """A test observer: reads each block's float64 tensors, keeps the view and a weak
+    reference to the tensors (not the tensors themselves)."""
+
+    def __init__(self) -> None:
+        self.views: list[LayerBlock] = []
+        self.tensors: list[weakref.ref] = []
+
+    def observe(self, view: LayerBlock) -> None:
+        lt = view.tensors(torch.float64)
+        assert view.tensors(torch.float64) is lt  # cached for the block
+        _ = lt.output_dot_values_per_norm2  # an intermediate a second observer reuses
+        self.views.append(view)
+        self.tensors.append(weakref.ref(lt))
+
+
+def _count_builds(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, torch.dtype]]:
+    builds: list[tuple[int, int, torch.dtype]] = []
+    build = LayerCall.layer_tensors
+
+    def counting(self: LayerCall, rows: slice, probs: torch.Tensor, dtype, **kw):
+        builds.append((self.layer_idx, rows.start, dtype))
+        return build(self, rows, probs, dtype, **kw)
+
+    monkeypatch.setattr(LayerCall, "layer_tensors", counting)
+    return builds
+
+
+def test_observers_of_a_block_share_one_layer_tensors(monkeypatch):
+    """Two observers of one capture are shown the same LayerBlock per layer and block of
+    queries, and one LayerTensors is built for both; after its block a view's cache is
+    gone (the tensors are freed, and asking for them again is an error)."""
+    loaded = tiny_model("llama")
+    builds = _count_builds(monkeypatch)
+    a, b = KeepViews(), KeepViews()
+    per_row = 1 * 4 * len(IDS) * 8
+    with torch.no_grad(), capturing(loaded.model, [a, b], block_bytes=4 * per_row):
+        loaded.model(input_ids=IDS[None], use_cache=False)
+    blocks = loaded.num_layers * -(-len(IDS) // 4)  # blocks of 4 queries
+    assert len(a.views) == len(b.views) == blocks
+    assert len(builds) == blocks  # one per block, not one per observer and block
+    assert sorted(builds) == sorted(set(builds))
+    assert all(x is y for x, y in zip(a.views, b.views, strict=True))
+    gc.collect()
+    assert all(ref() is None for ref in a.tensors)  # dropped with the block
+    view = a.views[0]
+    assert not view.is_open
+    with pytest.raises(BlockClosedError, match="block is over"):
+        view.tensors(torch.float64)
+
+
+def test_the_library_observers_share_one_layer_tensors_per_block(monkeypatch):
+    """The trace recorder, the geometry accumulator and the KV statistics observer, run
+    in one capture in the same dtype, build one LayerTensors per block between them, and
+    give what each gives alone."""
+    from contribution_weights.experiments.geometry import GeometryAccumulator
+    from contribution_weights.kv.scoring import StatsObserver
+    from contribution_weights.tracing.recorder import TraceRecorder
+
+    loaded = tiny_model("qwen2")
+    layers = list(range(loaded.num_layers))
+
+    def observers():
+        return [
+            TraceRecorder(["contribution"], layers, len(IDS), torch.float32),
+            GeometryAccumulator(loaded.num_layers, loaded.num_heads, ["entropy"]),
+            StatsObserver(set(layers), window=len(IDS)),  # the window is the whole block
+        ]
+
+    def run(obs):
+        geometry = [o for o in obs if isinstance(o, GeometryAccumulator)]
+        for o in geometry:
+            o.begin_sequence(len(IDS))
+        with torch.no_grad(), capturing(loaded.model, obs):
+            loaded.model(input_ids=IDS[None], use_cache=False)
+        for o in geometry:
+            o.end_sequence()
+
+    alone = [observers() for _ in range(3)]
+    for i, obs in enumerate(alone):
+        run([obs[i]])
+    builds = _count_builds(monkeypatch)
+    together = observers()
+    run(together)
+    assert len(builds) == loaded.num_layers  # one block per layer here
+    for key, value in alone[0][0].vectors.items():
+        assert torch.equal(together[0].vectors[key], value), key
+    for name, stat in alone[1][1].stats.items():
+        got = together[1].stats[name]
+        assert np.array_equal(got.total, stat.total) and np.array_equal(got.count, stat.count)
+    for layer, stats in alone[2][2].stats(0).items():
+        got = together[2].stats(0)[layer]
+        assert torch.equal(got.window_contribution, stats.window_contribution)
+        assert torch.equal(got.projected_value_norm, stats.projected_value_norm)

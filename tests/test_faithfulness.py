@@ -143,9 +143,9 @@ def test_sequential_scores_use_earlier_removals_and_select_top_k(model_type):
             seen = {}
 
             class Probe:
-                def observe(self, call, rows, probs, layer=layer, seen=seen, r=r):
-                    if call.layer_idx == layer:
-                        lt = call.layer_tensors(rows, probs, torch.float64)
+                def observe(self, view, layer=layer, seen=seen, r=r):
+                    if view.layer_idx == layer:
+                        lt = view.tensors(torch.float64)
                         seen["w"] = get_measure(r.measure).compute(lt)[0]
 
             with torch.no_grad(), capturing(lm.model, [Probe()], FixedScale(dict(scales))):

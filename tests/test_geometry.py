@@ -23,6 +23,7 @@ from reference import (
 )
 from tiny_models import tiny_model
 
+from contribution_weights.capture import LayerBlock
 from contribution_weights.experiments.geometry import (
     GeometryAccumulator,
     GeometryOptions,
@@ -320,6 +321,18 @@ def test_reservoir_and_moments_equal_in_memory():
 
 
 # ---- hand-built layers with known answers ------------------------------------------------------
+class _HandBuiltCall:
+    """Stands in for a capture's LayerCall of layer 0 whose block tensors are given."""
+
+    layer_idx = 0
+
+    def __init__(self, lt: LayerTensors) -> None:
+        self.lt = lt
+
+    def layer_tensors(self, rows, probs, dtype, **_):
+        return self.lt
+
+
 def _layer(values: torch.Tensor, probs: torch.Tensor) -> BlockView:
     """One head, W_O = identity: ṽ_j = v_j."""
     t, d = values.shape
@@ -330,7 +343,8 @@ def _layer(values: torch.Tensor, probs: torch.Tensor) -> BlockView:
         None,
         torch.ones(t, t, dtype=torch.bool).tril()[None],
     )
-    return BlockView(0, slice(0, t), lt, t)
+    block = LayerBlock(_HandBuiltCall(lt), slice(0, t), lt.probs)
+    return BlockView(block, t, torch.float64)
 
 
 def _probs(first: torch.Tensor, t: int) -> torch.Tensor:

@@ -54,9 +54,9 @@ def test_derived_measures_equal_computed_ones(family):
         def __init__(self) -> None:
             self.got: dict[int, dict[str, torch.Tensor]] = {}
 
-        def observe(self, call, rows, probs):
-            lt = call.layer_tensors(rows, probs, torch.float64)
-            self.got[call.layer_idx] = {m: get_measure(m).compute(lt)[0] for m in DERIVED}
+        def observe(self, view):
+            lt = view.tensors(torch.float64)
+            self.got[view.layer_idx] = {m: get_measure(m).compute(lt)[0] for m in DERIVED}
 
     grab = Grab()
     with torch.no_grad(), cw.capturing(lm.model, [grab]):
@@ -379,7 +379,7 @@ def test_untraced_layers_run_on_sdpa_and_traced_ones_stay_exact():
         def skipped(self, call):
             seen.append(call.layer_idx)
 
-        def observe(self, call, rows, probs):
+        def observe(self, view):
             pass
 
     with torch.no_grad(), cw.capturing(lm.model, [Spy()]):

@@ -20,11 +20,15 @@ other threads or tasks do not see each other. Per layer the function builds a
 * an optional :class:`Intervention`, asked once per layer for multipliers of the
   attention columns (``(B, H, T_k)``; multiplying column j by 0 removes ṽ_j from every
   query, method §4), and
-* :class:`Observer` objects, shown each block of queries with the probabilities that
-  were actually used. Observers that set ``key_spans = True`` are shown, for each
-  block, only the range of keys its queries can attend to (``call.keys``; causal rows
-  see no later key, sliding-window rows nothing before their window), which is all the
-  work done: at long context, half the keys of a causal layer and nearly all of a
+* :class:`Observer` objects, each shown every block of queries as one :class:`LayerBlock`:
+  the call, the query rows, the probabilities that were actually used, and the
+  :class:`~.measures.layer.LayerTensors` built from them on first request per compute
+  dtype (:meth:`LayerBlock.tensors`) and shared by every observer of the block, so the
+  intermediates (``o_i``, ``⟨o_i, ṽ_j⟩``, norms) are computed once per block, not once
+  per observer. Observers that set ``key_spans = True`` are shown, for each block, only
+  the range of keys its queries can attend to (``LayerBlock.keys``; causal rows see no
+  later key, sliding-window rows nothing before their window), which is all the work
+  done: at long context, half the keys of a causal layer and nearly all of a
   sliding-window one are skipped. An observer may say which layers it wants (``wants(layer_idx)``);
   a layer that no observer wants and that no intervention changes is sent to the
   model's own sdpa kernel (``skipped(call)`` tells the observers), so tracing three
@@ -32,7 +36,8 @@ other threads or tasks do not see each other. Per layer the function builds a
 
 Queries are processed in blocks (all at once when they fit in ``block_bytes``), so
 memory per layer stays bounded at long context and no ``(H, T, T)`` tensor outlives its
-layer unless an observer keeps it.
+layer unless an observer keeps it: a :class:`LayerBlock` drops its ``LayerTensors``
+when its block has been shown to every observer (:meth:`LayerBlock.close`).
 """
 
 from __future__ import annotations
@@ -83,10 +88,6 @@ class LayerCall:
     softcap: float | None
     spec: FamilySpec
     session: CaptureSession
-    # the block being shown to observers: its probabilities and α @ v, (B, H, I, d_h)
-    block: tuple[Tensor, Tensor] | None = None
-    # the keys that block covers (all when None; see CaptureSession.attend)
-    keys: slice | None = None
     # every query's probabilities (B, H, Tq, Tk), computed once before the intervention is
     # asked for its scale when the layer fits one block; :meth:`probs` reads them from here
     layer_probs: Tensor | None = None
@@ -230,17 +231,22 @@ class LayerCall:
         dtype: torch.dtype,
         batch: Tensor | None = None,
         keys: slice | None = None,
+        states: Tensor | None = None,
     ) -> LayerTensors:
         """The pure-maths view of this layer for a block of queries, in ``dtype``.
 
         ``batch`` selects batch rows (``probs`` must then hold just those rows), as for
         :meth:`probs` and :meth:`valid`; ``keys`` a range of keys (``probs`` then holds
         just those; the measures come out ``(…, K)`` for keys ``keys.start …``).
+        ``states``: ``α @ v`` of ``probs`` ``(B, H, I, d_h)`` where the caller has it (the
+        attention function computed it for the model's output), used when it is in ``dtype``.
+
+        Observers do not call this: :meth:`LayerBlock.tensors` does, once per block and
+        dtype, for all of them.
         """
         w_o, b_o, gram = self.output_blocks(dtype)
-        states = None
-        if self.block is not None and self.block[0] is probs and self.block[1].dtype == dtype:
-            states = self.block[1]  # reuse α @ v computed for the model's output
+        if states is not None and states.dtype != dtype:
+            states = None
         values = self.value if keys is None else self.value[:, :, keys]
         values = values if batch is None else values.index_select(0, batch)
         return LayerTensors(
@@ -265,14 +271,95 @@ def _take_rows(x: Tensor, batch: Tensor | None) -> Tensor:
     return x.index_select(0, batch.to(x.device))
 
 
+class BlockClosedError(RuntimeError):
+    """A :class:`LayerBlock` was asked for tensors after its block was over."""
+
+
+@dataclass(eq=False)
+class LayerBlock:
+    """One layer call and one block of its query rows: what every observer is shown.
+
+    Capture builds one per block and hands the same object to each observer, so the
+    observers share its :meth:`tensors`: one :class:`LayerTensors` per (dtype, query
+    rows) and block, built on first request by :meth:`LayerCall.layer_tensors`, instead
+    of one per observer. The probabilities cover the keys ``keys`` and the batch rows
+    ``batch``; the tensors are built over the same. When every observer has seen the
+    block, capture calls :meth:`close`: the cached tensors are dropped (memory stays
+    bounded by one block) and later requests fail.
+
+    Outside observation, a caller holding probabilities of its own (token removal
+    scoring its query blocks) builds a block the same way and reads :meth:`tensors`.
+    """
+
+    call: LayerCall
+    rows: slice  # the query rows, [q0, q1)
+    probs: Tensor  # (B|n, H, I, K): the probabilities the model used for these rows
+    keys: slice | None = None  # the keys ``probs`` covers, [k0, k1) (None: all)
+    batch: Tensor | None = None  # the batch rows ``probs`` holds (None: all)
+    states: Tensor | None = None  # α @ v of ``probs`` (B, H, I, d_h), where computed already
+    _tensors: dict[tuple[torch.dtype, int, int], LayerTensors] | None = field(
+        default_factory=dict, init=False, repr=False
+    )
+
+    @property
+    def layer_idx(self) -> int:
+        return self.call.layer_idx
+
+    @property
+    def key_range(self) -> slice:
+        """The keys ``probs`` covers as a range: ``keys``, or all of the layer's."""
+        return slice(0, self.call.k_len) if self.keys is None else self.keys
+
+    @property
+    def is_open(self) -> bool:
+        """Whether the block is still being shown (its tensors can be read)."""
+        return self._tensors is not None
+
+    def tensors(self, dtype: torch.dtype, rows: slice | None = None) -> LayerTensors:
+        """The block's :class:`LayerTensors` in ``dtype``, built once and shared.
+
+        ``rows``: a sub-range of :attr:`rows` (say the last queries of a window), built
+        from those rows of :attr:`probs`; default all of them.
+        """
+        if self._tensors is None:
+            raise BlockClosedError(
+                f"layer {self.layer_idx}, queries {self.rows.start}:{self.rows.stop}: the "
+                "block is over and its tensors are gone; read them inside observe()"
+            )
+        rows = self.rows if rows is None else rows
+        if not self.rows.start <= rows.start <= rows.stop <= self.rows.stop:
+            raise ValueError(
+                f"queries {rows.start}:{rows.stop} are not inside the block's "
+                f"{self.rows.start}:{self.rows.stop}"
+            )
+        key = (dtype, rows.start, rows.stop)
+        lt = self._tensors.get(key)
+        if lt is None:
+            probs, states = self.probs, self.states
+            if rows != self.rows:
+                start = rows.start - self.rows.start
+                probs, states = probs[:, :, start : start + rows.stop - rows.start], None
+            lt = self.call.layer_tensors(
+                rows, probs, dtype, batch=self.batch, keys=self.keys, states=states
+            )
+            self._tensors[key] = lt
+        return lt
+
+    def close(self) -> None:
+        """The block is over: drop the cached tensors (capture calls this)."""
+        self._tensors = None
+        self.states = None
+
+
 class Observer(Protocol):
-    """Shown each block of queries of each layer it wants.
+    """Shown each block of queries of each layer it wants, as a :class:`LayerBlock`
+    (the same object for every observer of the block, valid during the call only).
 
     Optional methods, looked up with ``getattr``: ``wants(layer_idx) -> bool`` (default:
     every layer) and ``skipped(call)``, called for a layer that ran without observation.
     """
 
-    def observe(self, call: LayerCall, rows: slice, probs: Tensor) -> None: ...
+    def observe(self, view: LayerBlock) -> None: ...
 
 
 def _wants(observer: Observer, layer_idx: int) -> bool:
@@ -348,11 +435,13 @@ class CaptureSession:
             if self.observers:
                 if scale is not None:  # observers see the probabilities actually used
                     probs = probs * scale[:, :, None, :].to(probs.dtype)
-                call.block, call.keys = (probs, block), keys
-                for observer in self.observers:
-                    observer.observe(call, rows, probs)
+                shown = LayerBlock(call, rows, probs, keys=keys, states=block)
+                try:
+                    for observer in self.observers:
+                        observer.observe(shown)
+                finally:
+                    shown.close()
             outputs.append(block)
-        call.block, call.keys = None, None
         call.layer_probs = None
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
         return out.transpose(1, 2).contiguous()

@@ -15,9 +15,12 @@ import hashlib
 import io
 import json
 import os
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 def fingerprint(items: Iterable[Any], *, algorithm: str = "sha256") -> str:
@@ -45,6 +48,20 @@ RENAMED = {
     "downstream": {"sink_threshold": "sink_cosine"},
     "geometry": {"sink_threshold": "sink_layer_threshold"},
 }
+
+
+def renamed_keyword(experiment: str, old: str, old_value: T | None, value: T) -> T:
+    """``value``, or ``old_value`` when the caller of the entry point ``experiment()``
+    gave it under the option's older name ``old`` (:data:`RENAMED`), then with a
+    :class:`DeprecationWarning` that names the new one (pointing at that caller)."""
+    if old_value is None:
+        return value
+    warnings.warn(
+        f"{experiment}({old}=) is deprecated; use {RENAMED[experiment][old]}=",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return old_value
 
 
 def upgraded_config(config: dict[str, Any]) -> dict[str, Any]:

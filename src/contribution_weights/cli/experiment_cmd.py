@@ -49,10 +49,138 @@ def print_skipped(result: object) -> None:
         print(f"skipped {len(skipped)} units ({'; '.join(reasons)}); see run_info.json")
 
 
+# ---- what an experiment reads, by its spec's input kind -----------------------------------
+class Corpus:
+    """Texts: --dataset NAME | --texts FILE.jsonl | --file FILE.txt, --n, --min-tokens, --join."""
+
+    own = "--texts FILE.jsonl or --file FILE.txt"
+    more = MORE_TEXTS
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        add_corpus_arguments(p)
+
+    def read(self, args: argparse.Namespace) -> tuple[Any, str, dict[str, Any]]:
+        texts, source = load_corpus(args)
+        return texts, source, {}
+
+    def fit(self, args: argparse.Namespace, model: Any, texts: Any, source: str) -> Any:
+        return fit_corpus(args, model, texts, source)
+
+
+class TaskItems:
+    """Items of a multiple-choice task: --task, --n, and --data-dir | --items FILE.jsonl."""
+
+    own = "--items FILE.jsonl (one item per line; --help lists the fields)"
+    more = "--n 2 or more"
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        from ..data import TASKS
+
+        p.add_argument("--task", choices=TASKS, required=True)
+        p.add_argument("--n", type=positive_int, default=None, help="use the first N items")
+        src = p.add_mutually_exclusive_group()
+        src.add_argument(
+            "--data-dir",
+            type=Path,
+            default=None,
+            help="data folder (else $CW_DATA_DIR, else the hub)",
+        )
+        src.add_argument(
+            "--items",
+            type=Path,
+            default=None,
+            metavar="FILE.jsonl",
+            help="your own items instead of the task's data, one JSON object per line with the "
+            "task's fields: mmlu: question, choices (a list of 4), answer (0-3), subject "
+            "(optional); winogrande: sentence (one _ blank), option1, option2, answer (1 or 2); "
+            "boolq: question, passage, label (true/false); any task: prompt, options (a list), "
+            "answer (0-based index of the right option)",
+        )
+
+    def read(self, args: argparse.Namespace) -> tuple[Any, str, dict[str, Any]]:
+        from ..data import load_task, read_items
+
+        if args.items is not None:
+            items, source = read_items(args.items, args.task, args.n), str(args.items)
+        else:
+            items, source = load_task(args.task, args.n, args.data_dir), args.task
+        return items, source, {"task": args.task}
+
+    def fit(self, args: argparse.Namespace, model: Any, items: Any, source: str) -> Any:
+        return items, source
+
+
+class KVTexts:
+    """Language-modelling texts (--dataset | --texts) or none (--task passkey)."""
+
+    own = "--texts FILE.jsonl (or --task passkey, which needs no data)"
+    more = (
+        "--n 2 or more; the lm task makes an item of every --context-tokens + 129 tokens of "
+        "consecutive texts, so give texts enough for 2"
+    )
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        from ..data import TEXT_DATASETS
+        from ..defaults import KV_TASKS
+
+        src = p.add_mutually_exclusive_group(required=True)
+        src.add_argument("--dataset", choices=TEXT_DATASETS, help="LM data set")
+        src.add_argument(
+            "--texts", type=Path, help="a .jsonl file of texts (field: --field) for LM"
+        )
+        src.add_argument("--task", choices=KV_TASKS, help="lm or passkey (passkey needs no data)")
+        p.add_argument(
+            "--field", default="text", help="JSONL field holding the text (default text)"
+        )
+        p.add_argument(
+            "--data-dir", type=Path, default=None, help="data folder (else $CW_DATA_DIR)"
+        )
+
+    def read(self, args: argparse.Namespace) -> tuple[Any, str, dict[str, Any]]:
+        from .. import data
+
+        task = args.task or "lm"
+        if task != "lm":
+            return None, task, {}
+        if args.dataset:
+            return data.load_texts(args.dataset, None, args.data_dir), args.dataset, {}
+        if args.texts:
+            return data.read_texts(args.texts, field=args.field), str(args.texts), {}
+        raise ValueError("--task lm needs texts: use --dataset NAME or --texts FILE.jsonl")
+
+    def options(self, args: argparse.Namespace) -> dict[str, Any]:
+        return {"task": args.task or "lm"}
+
+    def fit(self, args: argparse.Namespace, model: Any, texts: Any, source: str) -> Any:
+        return texts, source
+
+
+class NoInputs:
+    own = ""
+    more = ""
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        pass
+
+    def read(self, args: argparse.Namespace) -> tuple[Any, str, dict[str, Any]]:
+        return None, "", {}
+
+    def fit(self, args: argparse.Namespace, model: Any, inputs: Any, source: str) -> Any:
+        return inputs, source
+
+
+INPUTS: dict[str, Any] = {
+    "corpus": Corpus(),
+    "task_items": TaskItems(),
+    "kv": KVTexts(),
+    "none": NoInputs(),
+}
+
+
+# ---- the generated command ----------------------------------------------------------------
 def register(sub: argparse._SubParsersAction, spec: ExperimentSpec) -> None:
     p = sub.add_parser(spec.name, help=spec.help)
-    if spec.inputs == "corpus":
-        add_corpus_arguments(p)
+    INPUTS[spec.inputs].add_arguments(p)
     add_options(p, spec.options)
     add_run_arguments(p, batch_size=spec.batch_size)
     p.set_defaults(func=lambda args: run(args, spec))
@@ -65,39 +193,38 @@ def run(args: argparse.Namespace, spec: ExperimentSpec) -> int:
     from ..loading import load_model
     from ..presentation.figures import figure_for, plot
 
+    inputs = INPUTS[spec.inputs]
     check_out_dir(args.out)  # before the data and the model load
-    options = options_from_args(spec.options, args)  # bad options fail before loading
-    texts: Any = None
-    source = spec.name
-    if spec.inputs == "corpus":
-        try:
-            texts, source = load_corpus(args)
-        except MissingDataError as err:
-            raise err.for_command(spec.name, "--texts FILE.jsonl or --file FILE.txt") from None
+    fixed = inputs.options(args) if hasattr(inputs, "options") else {}
+    options = options_from_args(spec.options, args, **fixed)  # bad options fail before loading
+    try:
+        data, source, extra = inputs.read(args)
+    except MissingDataError as err:
+        raise err.for_command(spec.name, inputs.own) from None
     entry = spec.entry_point()
     model = load_model(args.model, dtype=args.dtype, device=model_device(args))
-    if spec.inputs == "corpus":
-        texts, source = fit_corpus(args, model, texts, source)
-    extra = {"batch_size": args.batch_size} if spec.batch_size else {}
-    with few_samples_on_stderr(spec.name, MORE_TEXTS):
+    data, source = inputs.fit(args, model, data, source)
+    if spec.batch_size:
+        extra["batch_size"] = args.batch_size
+    with few_samples_on_stderr(
+        spec.name, MORE_TEXTS if spec.inputs == "corpus" else "--n 2 or more"
+    ):
         result = entry(
-            model,
-            texts,
-            options=options,
-            out=args.out,
-            resume=args.resume,
-            source=source,
-            **extra,
+            model, data, options=options, out=args.out, resume=args.resume, source=source, **extra
         )
     if not processes().main:
         return 0
     summary = getattr(result, "summary", None)
     if summary is not None:
-        print(summary.to_string(index=False, float_format=lambda x: f"{x:.4g}"))
+        digits = spec.digits
+        print(summary.to_string(index=False, float_format=lambda x: f"{x:.{digits}g}"))
+    for line in spec.notes_of(result):
+        print(line)
     print_skipped(result)
+    figure = spec.figure_name(result)
     empty = summary is not None and getattr(summary, "empty", False)
-    if spec.figure and not empty and figure_for(result) is not None:
-        plot(result, args.out / spec.figure)
+    if figure and not empty and figure_for(result) is not None:
+        plot(result, args.out / figure)
     written = sorted(p.name for p in Path(args.out).iterdir() if p.is_file())
     print(f"wrote {args.out}/{', '.join(written)}")
     return 0

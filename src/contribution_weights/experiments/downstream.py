@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ import torch
 from ..data import ChoiceItem
 from ..interventions import CLEAN, DEFAULT_MEMORY_BYTES, SINK_COSINE, Removal, token_logprobs
 from ..loading import LoadedModel
-from ..runs import fingerprint
+from ..runs import fingerprint, renamed_keyword
 from .options import (  # the options are light: the CLI reads them before torch
     DEFAULT_MEASURES,
     DEFAULT_RATES,
@@ -32,11 +31,11 @@ from .options import (  # the options are light: the CLI reads them before torch
     as_floats,
     split_names,
 )
-from .result import ExperimentResult, read_csv, write_csv
+from .result import SUMMARY as SUMMARY  # re-exported: the summary file
+from .result import RowsResult, typed_frame
 from .runner import Experiment, Phase, SkipUnit, run_experiment
 
 PER_ITEM = "per_item.csv"
-SUMMARY = "summary.csv"
 SUMMARY_COLUMNS = [
     "task", "measure", "rate", "n", "accuracy", "clean_accuracy",
     "accuracy_lo", "accuracy_hi", "clean_lo", "clean_hi", "chance", "p_vs_clean", "p_vs_chance",
@@ -104,19 +103,23 @@ def option_scores(
     distribution; otherwise each (configuration, option) pair is a row.
     """
     p = len(prompt)
-    if all(len(o) == 1 for o in options):
-        ids = torch.tensor([list(prompt)], dtype=torch.long).expand(len(removals), -1)
-        logp = token_logprobs(
+
+    def logprobs(ids: torch.Tensor, rows: list[Removal], last: bool = False) -> torch.Tensor:
+        return token_logprobs(
             model,
             ids,
-            list(removals),
+            rows,
             eligible_len=p,
             protect_sinks=protect_sinks,
             sink_cosine=sink_cosine,
             batch_size=batch_size,
             memory_bytes=memory_bytes,
-            last=True,
+            last=last,
         )
+
+    if all(len(o) == 1 for o in options):
+        ids = torch.tensor([list(prompt)], dtype=torch.long).expand(len(removals), -1)
+        logp = logprobs(ids, list(removals), last=True)
         return logp[:, [o[0] for o in options]].double()
     width = p + max(len(o) for o in options)
     rows = len(removals) * len(options)
@@ -127,16 +130,7 @@ def option_scores(
         seq = [*prompt, *choice]
         ids[r, : len(seq)] = torch.tensor(seq)
         row_removals.append(removal)
-    logp = token_logprobs(
-        model,
-        ids,
-        row_removals,
-        eligible_len=p,
-        protect_sinks=protect_sinks,
-        sink_cosine=sink_cosine,
-        batch_size=batch_size,
-        memory_bytes=memory_bytes,
-    )
+    logp = logprobs(ids, row_removals)
     scores = torch.empty(rows, dtype=torch.float64)
     for r, (_, choice) in enumerate(itertools.product(removals, options)):
         # log p of option token k sits at position p - 1 + k of the shifted targets
@@ -179,45 +173,29 @@ def summarise(per_item: pd.DataFrame, task: str) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
 
 
-class DownstreamResult(ExperimentResult):
+class DownstreamResult(RowsResult):
     """Per-item rows, their accuracy summary, the run's configuration and run_info."""
 
-    def __init__(
-        self,
-        per_item: pd.DataFrame,
-        config: dict[str, Any],
-        run_info: dict[str, Any] | None = None,
-    ) -> None:
-        super().__init__(config, run_info)
-        self.per_item = per_item
-        self.summary = summarise(per_item, str(config.get("task", "task")))
+    ROWS = PER_ITEM
 
-    def write_summary(self, folder: Path) -> None:
-        write_csv(folder / SUMMARY, self.summary)
+    @property
+    def per_item(self) -> pd.DataFrame:
+        """One row per (item, measure, rate): the item's pick and its clean pick."""
+        return self.rows
 
-    def write_files(self, folder: Path) -> None:
-        write_csv(folder / PER_ITEM, self.per_item)
-        self.write_summary(folder)
+    def summarise_rows(self) -> pd.DataFrame:
+        return summarise(self.rows, str(self.config.get("task", "task")))
 
     @classmethod
-    def from_files(
-        cls, folder: Path, config: dict[str, Any], run_info: dict[str, Any]
-    ) -> DownstreamResult:
-        return cls(per_item_frame(read_csv(folder / PER_ITEM)), config, run_info)
+    def frame(cls, rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
+        return per_item_frame(rows)
 
 
 def per_item_frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
     """Rows (as computed, or as read back from CSV) as a typed frame sorted by item."""
-    frame = pd.DataFrame(list(rows))
-    if frame.empty:
-        return frame
-    for col in ("item", "answer", "pick", "correct", "clean_pick", "clean_correct",
-                "n_prompt_tokens"):  # fmt: skip
-        frame[col] = frame[col].astype(int)
-    if "n_options" in frame:  # runs before it was recorded lack it
-        frame["n_options"] = frame["n_options"].astype(int)
-    frame["rate"] = frame["rate"].astype(float)
-    return frame.sort_values(["item"], kind="stable").reset_index(drop=True)
+    ints = ("item", "answer", "pick", "correct", "clean_pick", "clean_correct", "n_prompt_tokens")
+    # runs before the option count was recorded lack n_options
+    return typed_frame(rows, "item", ints, floats=("rate",), older=("n_options",))
 
 
 class Downstream(Experiment[DownstreamResult]):
@@ -234,11 +212,12 @@ class Downstream(Experiment[DownstreamResult]):
         *,
         batch_size: int | None = None,
         memory_bytes: int = DEFAULT_MEMORY_BYTES,
+        source: str | None = None,
     ) -> None:
         if not items:
             raise ValueError("no items given; load some with cw.data.load_task(task, n)")
         self.model, self.items, self.task, self.options = model, list(items), task, options
-        self.batch_size, self.memory_bytes = batch_size, memory_bytes
+        self.batch_size, self.memory_bytes, self.source = batch_size, memory_bytes, source
         self.removals = options.removals()
 
     def config(self) -> dict[str, Any]:
@@ -255,6 +234,7 @@ class Downstream(Experiment[DownstreamResult]):
             "n_items": len(self.items),
             # resuming with other items (prompt, options or answer) is refused
             "items_sha256": fingerprint([it.prompt, it.options, it.answer] for it in self.items),
+            **({"source": self.source} if self.source else {}),
         }
 
     def run(self, i: int) -> list[dict[str, Any]]:
@@ -299,7 +279,7 @@ class Downstream(Experiment[DownstreamResult]):
     def result(
         self, rows: Mapping[str, list[dict[str, str]]], run_info: dict[str, Any]
     ) -> DownstreamResult:
-        return DownstreamResult(per_item_frame(rows[PER_ITEM]), self.config(), run_info)
+        return DownstreamResult.from_rows(rows, self.config(), run_info)
 
 
 def downstream(
@@ -319,6 +299,7 @@ def downstream(
     options: DownstreamOptions | None = None,
     memory_bytes: int = DEFAULT_MEMORY_BYTES,
     progress: bool = True,
+    source: str | None = None,
 ) -> DownstreamResult:
     """Accuracy under sufficiency removal over the prompt tokens, per measure and rate.
 
@@ -327,19 +308,20 @@ def downstream(
     :class:`DownstreamOptions`), when given, replaces ``measures``, ``rates``,
     ``protect_sinks``, ``max_tokens`` and ``sink_cosine`` (``sink_threshold``: its
     deprecated older name). Run folder, resume and data parallel as :func:`faithfulness`.
+    ``source``: where the items came from, recorded in the config for people.
     """
     if options is None:
-        if sink_threshold is not None:
-            warnings.warn(
-                "downstream(sink_threshold=) is deprecated; use sink_cosine=",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            sink_cosine = sink_threshold
+        sink_cosine = renamed_keyword("downstream", "sink_threshold", sink_threshold, sink_cosine)
         options = DownstreamOptions(
             list(split_names(measures)), as_floats(rates), protect_sinks, max_tokens, sink_cosine
         )
     experiment = Downstream(
-        model, items, task, options, batch_size=batch_size, memory_bytes=memory_bytes
+        model,
+        items,
+        task,
+        options,
+        batch_size=batch_size,
+        memory_bytes=memory_bytes,
+        source=source,
     )
     return run_experiment(experiment, out, resume=resume, progress=progress)

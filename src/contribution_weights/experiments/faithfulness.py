@@ -11,7 +11,6 @@ stopped. The run loop is :mod:`.runner`'s (resume, run_info, data parallel).
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ from ..interventions import (
     token_logprobs,
 )
 from ..loading import LoadedModel
-from ..runs import fingerprint
+from ..runs import fingerprint, renamed_keyword
 from .options import (  # the options are light: the CLI reads them before torch
     DEFAULT_MEASURES,
     DEFAULT_RATES,
@@ -38,11 +37,11 @@ from .options import (  # the options are light: the CLI reads them before torch
     as_floats,
     split_names,
 )
-from .result import ExperimentResult, read_csv, warn_few_samples, write_csv
+from .result import SUMMARY as SUMMARY  # re-exported: the summary file
+from .result import RowsResult, typed_frame, warn_few_samples
 from .runner import Experiment, Phase, SkipUnit, run_experiment
 
 PER_SEQUENCE = "per_sequence.csv"
-SUMMARY = "summary.csv"
 SUMMARY_COLUMNS = [
     "measure",
     "mode",
@@ -121,44 +120,33 @@ def summarise(per_sequence: pd.DataFrame) -> pd.DataFrame:
     return out[SUMMARY_COLUMNS]
 
 
-class FaithfulnessResult(ExperimentResult):
+class FaithfulnessResult(RowsResult):
     """Per-sequence rows, their summary, the run's configuration and run_info."""
 
-    def __init__(
-        self,
-        per_sequence: pd.DataFrame,
-        config: dict[str, Any],
-        run_info: dict[str, Any] | None = None,
-    ) -> None:
-        super().__init__(config, run_info)
-        self.per_sequence = per_sequence
-        self.summary = summarise(per_sequence)
+    ROWS = PER_SEQUENCE
 
-    def write_summary(self, folder: Path) -> None:
-        write_csv(folder / SUMMARY, self.summary)
+    @property
+    def per_sequence(self) -> pd.DataFrame:
+        """One row per (sequence, measure, mode, rate): its NLL and PPL, clean and removed."""
+        return self.rows
 
-    def write_files(self, folder: Path) -> None:
-        write_csv(folder / PER_SEQUENCE, self.per_sequence)
-        self.write_summary(folder)
+    def summarise_rows(self) -> pd.DataFrame:
+        return summarise(self.rows)
 
     @classmethod
-    def from_files(
-        cls, folder: Path, config: dict[str, Any], run_info: dict[str, Any]
-    ) -> FaithfulnessResult:
-        return cls(per_sequence_frame(read_csv(folder / PER_SEQUENCE)), config, run_info)
+    def frame(cls, rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
+        return per_sequence_frame(rows)
 
 
 def per_sequence_frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
     """Rows (as computed, or as read back from CSV) as a typed frame sorted by sequence."""
-    frame = pd.DataFrame(list(rows))
-    if frame.empty:
-        return frame
-    for col in ("seq", "n_tokens"):
-        frame[col] = frame[col].astype(int)
-    for col in ("rate", "nll", "ppl", "nll_clean", "ppl_clean", "delta_nll", "delta_ppl"):
-        frame[col] = frame[col].astype(float)
-    frame["threshold"] = pd.to_numeric(frame["threshold"], errors="coerce")  # NaN: layer scope
-    return frame.sort_values(["seq"], kind="stable").reset_index(drop=True)
+    return typed_frame(
+        rows,
+        "seq",
+        ints=("seq", "n_tokens"),
+        floats=("rate", "nll", "ppl", "nll_clean", "ppl_clean", "delta_nll", "delta_ppl"),
+        blanks=("threshold",),  # NaN: layer scope
+    )
 
 
 class Faithfulness(Experiment[FaithfulnessResult]):
@@ -224,8 +212,7 @@ class Faithfulness(Experiment[FaithfulnessResult]):
     def result(
         self, rows: Mapping[str, list[dict[str, str]]], run_info: dict[str, Any]
     ) -> FaithfulnessResult:
-        frame = per_sequence_frame(rows[PER_SEQUENCE])
-        return FaithfulnessResult(frame, self.config(), run_info)
+        return FaithfulnessResult.from_rows(rows, self.config(), run_info)
 
 
 def faithfulness(
@@ -266,13 +253,7 @@ def faithfulness(
     older name).
     """
     if options is None:
-        if sink_threshold is not None:
-            warnings.warn(
-                "faithfulness(sink_threshold=) is deprecated; use sink_cosine=",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            sink_cosine = sink_threshold
+        sink_cosine = renamed_keyword("faithfulness", "sink_threshold", sink_threshold, sink_cosine)
         options = FaithfulnessOptions(
             list(split_names(measures)), as_floats(rates), list(split_names(modes)),
             protect_sinks, scope, max_tokens, sink_cosine,

@@ -27,31 +27,35 @@ from ..kv.evaluate import lm_item, lm_items, lm_score, passkey_items, passkey_sc
 from ..loading import LoadedModel
 from ..runs import fingerprint
 from .options import KVEvalOptions
-from .result import ExperimentResult, warn_few_samples, write_csv
+from .result import SUMMARY as SUMMARY  # re-exported: the summary file
+from .result import RowsResult, warn_few_samples, write_csv
 from .runner import Experiment, Phase, run_experiment
 
 TASKS = KV_TASKS
 METRIC = {"lm": "nll", "passkey": "accuracy"}
 DEFAULT_RATIOS = KV_RATIOS
 PER_ITEM = "per_item.csv"
-SUMMARY = "summary.csv"
 SUMMARY_DEPTH = "summary_depth.csv"
 SUMMARY_PAIRED = "summary_paired.csv"
 NO_COMPRESSION = "none"
 
 
-class KVEvalResult(ExperimentResult):
+class KVEvalResult(RowsResult):
     """Per-item rows, their summaries, the run's configuration and run_info."""
 
-    def __init__(
-        self,
-        per_item: pd.DataFrame,
-        config: dict[str, Any],
-        run_info: dict[str, Any] | None = None,
-    ) -> None:
-        super().__init__(config, run_info)
-        self.per_item = per_item
-        self.summary = summarise(per_item, config["task"])
+    ROWS = PER_ITEM
+
+    @property
+    def per_item(self) -> pd.DataFrame:
+        """One row per (item, method, ratio): the task's metric and the kept first token."""
+        return self.rows
+
+    def summarise_rows(self) -> pd.DataFrame:
+        return summarise(self.rows, self.config["task"])
+
+    @classmethod
+    def frame(cls, rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
+        return _typed(pd.DataFrame(list(rows)))
 
     def by_depth(self) -> pd.DataFrame:
         """Passkey accuracy per (method, ratio, depth)."""
@@ -67,15 +71,10 @@ class KVEvalResult(ExperimentResult):
     def write_summary(self, folder: Path) -> None:
         """``summary.csv``, ``summary_paired.csv`` (and ``summary_depth.csv`` for passkey);
         the runner's hook at the end of a run."""
-        folder = Path(folder)
-        write_csv(folder / SUMMARY, self.summary)
-        write_csv(folder / SUMMARY_PAIRED, self.paired())
+        super().write_summary(folder)
+        write_csv(Path(folder) / SUMMARY_PAIRED, self.paired())
         if self.config["task"] == "passkey":
-            write_csv(folder / SUMMARY_DEPTH, self.by_depth())
-
-    def write_files(self, folder: Path) -> None:
-        write_csv(Path(folder) / PER_ITEM, self.per_item)
-        self.write_summary(folder)
+            write_csv(Path(folder) / SUMMARY_DEPTH, self.by_depth())
 
     @classmethod
     def from_files(
@@ -211,7 +210,7 @@ class KVEval(Experiment["KVEvalResult"]):
             "items_available": len(self.items),
             "seconds": run_info["seconds"],
         }
-        return KVEvalResult(_typed(pd.DataFrame(rows.get(PER_ITEM, []))), config, run_info)
+        return KVEvalResult.from_rows(rows, config, run_info)
 
 
 def _typed(frame: pd.DataFrame) -> pd.DataFrame:
@@ -224,6 +223,17 @@ def _typed(frame: pd.DataFrame) -> pd.DataFrame:
         return frame
     frame["ratio"] = frame["ratio"].astype(float)
     return frame.sort_values(["item"], kind="stable").reset_index(drop=True)
+
+
+def shortfall(result: KVEvalResult) -> list[str]:
+    """A line saying the texts ran out, when a language-modelling run got fewer items than
+    asked for (each item needs ``context_tokens + 129`` tokens of consecutive texts)."""
+    c = result.config
+    done = int(result.summary["n"].max()) if not result.summary.empty else 0
+    if c["task"] != "lm" or done >= int(c["n"]):
+        return []
+    need = int(c["context_tokens"]) + 129
+    return [f"only {done} of {c['n']} items: the texts ran out (each needs {need} tokens)"]
 
 
 def kv_eval(

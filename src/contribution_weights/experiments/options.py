@@ -339,8 +339,8 @@ class KVEvalOptions(Options):
     task: str = option("lm", "lm or passkey", choices=KV_TASKS)
     methods: list[str] | str = option(
         "all",
-        "comma-separated methods (default all; docs/kv-cache.md describes them, and an "
-        "unknown name is answered with the list)",
+        "comma-separated methods or all (docs/kv-cache.md describes them; an unknown name "
+        "is answered with the list)",
         flag="--methods",
     )
     ratios: list[float] = option(

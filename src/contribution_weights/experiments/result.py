@@ -13,17 +13,19 @@ import csv
 import json
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import pandas as pd
 
 CONFIG = "config.json"
 RUN_INFO = "run_info.json"
+SUMMARY = "summary.csv"
 
 T = TypeVar("T", bound="ExperimentResult")
+R = TypeVar("R", bound="RowsResult")
 
 
 class FewSamplesWarning(UserWarning):
@@ -111,6 +113,87 @@ class ExperimentResult:
         info_file = folder / RUN_INFO
         run_info = json.loads(info_file.read_text()) if info_file.is_file() else {}
         return cls.from_files(folder, config, run_info)
+
+
+class RowsResult(ExperimentResult):
+    """A result that is one table of rows (:attr:`ROWS`: the runner's rows file, one or
+    more rows per unit) and the summary computed from them (``summary.csv``).
+
+    A subclass names :attr:`ROWS`, types the rows (:meth:`frame`: as computed, or as read
+    back from the CSV as strings) and summarises them (:meth:`summarise_rows`); the
+    constructor, :meth:`write_files`, :meth:`from_files`, :meth:`from_rows` (the
+    experiment's rows at the end of a run) and :meth:`write_summary` (the runner's hook
+    when a run ends) are shared.
+    """
+
+    ROWS: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        rows: pd.DataFrame,
+        config: dict[str, Any],
+        run_info: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(config, run_info)
+        self.rows = rows
+        self.summary = self.summarise_rows()
+
+    def summarise_rows(self) -> pd.DataFrame:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    @classmethod
+    def frame(cls, rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:  # pragma: no cover
+        """The rows (as computed, or as read back from the CSV) as a typed frame."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_rows(
+        cls: type[R],
+        rows: Mapping[str, Sequence[Mapping[str, Any]]],
+        config: dict[str, Any],
+        run_info: dict[str, Any],
+    ) -> R:
+        """The result of a run's rows, by rows file (what the runner hands to
+        :meth:`~.runner.Experiment.result`)."""
+        return cls(cls.frame(rows.get(cls.ROWS, [])), config, run_info)
+
+    def write_summary(self, folder: Path) -> None:
+        write_csv(Path(folder) / SUMMARY, self.summary)
+
+    def write_files(self, folder: Path) -> None:
+        write_csv(Path(folder) / self.ROWS, self.rows)
+        self.write_summary(folder)
+
+    @classmethod
+    def from_files(
+        cls: type[R], folder: Path, config: dict[str, Any], run_info: dict[str, Any]
+    ) -> R:
+        return cls(cls.frame(read_csv(folder / cls.ROWS)), config, run_info)
+
+
+def typed_frame(
+    rows: Sequence[Mapping[str, Any]],
+    key: str,
+    ints: Sequence[str] = (),
+    floats: Sequence[str] = (),
+    *,
+    older: Sequence[str] = (),
+    blanks: Sequence[str] = (),
+) -> pd.DataFrame:
+    """Rows (as computed, or as read back from a CSV as strings) as a frame sorted by the
+    unit column ``key`` (stable): the columns ``ints`` as int, ``floats`` as float, the int
+    columns ``older`` where present (rows from before they were recorded lack them) and
+    ``blanks`` as numbers, a blank cell NaN. No rows: an empty frame."""
+    frame = pd.DataFrame(list(rows))
+    if frame.empty:
+        return frame
+    for col in [*ints, *(c for c in older if c in frame)]:
+        frame[col] = frame[col].astype(int)
+    for col in floats:
+        frame[col] = frame[col].astype(float)
+    for col in blanks:
+        frame[col] = pd.to_numeric(frame[col], errors="coerce")
+    return frame.sort_values([key], kind="stable").reset_index(drop=True)
 
 
 def write_csv(path: Path, frame: pd.DataFrame) -> None:

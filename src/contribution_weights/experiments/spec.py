@@ -20,10 +20,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..registry import Registry
-from .options import FaithfulnessOptions, Options
+from .options import DownstreamOptions, FaithfulnessOptions, KVEvalOptions, Options
 
-#: what an experiment reads: texts of a corpus (--dataset | --texts | --file), or nothing
-INPUTS = ("corpus", "none")
+#: what an experiment reads: ``corpus``, texts (--dataset | --texts | --file);
+#: ``task_items``, the items of a multiple-choice task (--task, --data-dir | --items);
+#: ``kv``, texts for language modelling or none for passkey (--dataset | --texts | --task);
+#: ``none``, nothing
+INPUTS = ("corpus", "task_items", "kv", "none")
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,11 @@ class ExperimentSpec:
             ``"module:function"`` path imported when the command runs.
         inputs: one of :data:`INPUTS`.
         batch_size: the entry point takes ``batch_size`` (the command adds ``--batch-size``).
-        figure: the file name of the figure in the run folder (None: no figure).
+        figure: the file name of the figure in the run folder, or a function of the result
+            giving it (None: no figure).
+        digits: significant digits of the printed summary.
+        notes: a function of the result giving lines to print after the summary (e.g. that
+            the texts ran out), or a ``"module:function"`` path to one.
     """
 
     name: str
@@ -49,7 +56,9 @@ class ExperimentSpec:
     run: str | Callable[..., Any]
     inputs: str = "corpus"
     batch_size: bool = False
-    figure: str | None = None
+    figure: str | Callable[[Any], str] | None = None
+    digits: int = 4
+    notes: str | Callable[[Any], list[str]] | None = None
 
     def __post_init__(self) -> None:
         if self.inputs not in INPUTS:
@@ -57,11 +66,21 @@ class ExperimentSpec:
 
     def entry_point(self) -> Callable[..., Any]:
         """The run function (imported now if given as a path)."""
-        if callable(self.run):
-            return self.run
-        module, _, name = self.run.partition(":")
-        value: Callable[..., Any] = getattr(importlib.import_module(module), name)
-        return value
+        return _resolve(self.run)
+
+    def figure_name(self, result: Any) -> str | None:
+        return self.figure(result) if callable(self.figure) else self.figure
+
+    def notes_of(self, result: Any) -> list[str]:
+        return [] if self.notes is None else list(_resolve(self.notes)(result))
+
+
+def _resolve(target: str | Callable[..., Any]) -> Callable[..., Any]:
+    if callable(target):
+        return target
+    module, _, name = target.partition(":")
+    value: Callable[..., Any] = getattr(importlib.import_module(module), name)
+    return value
 
 
 EXPERIMENTS: Registry[ExperimentSpec] = Registry("experiment")
@@ -81,6 +100,34 @@ register_experiment(
         "contribution_weights.experiments.faithfulness:faithfulness",
         batch_size=True,
         figure="faithfulness.png",
+    )
+)
+
+register_experiment(
+    ExperimentSpec(
+        "downstream",
+        "accuracy on MMLU/WinoGrande/BoolQ when only the top prompt tokens of each "
+        "measure are kept (sufficiency)",
+        DownstreamOptions,
+        "contribution_weights.experiments.downstream:downstream",
+        inputs="task_items",
+        batch_size=True,
+        figure="downstream.png",
+        digits=3,
+    )
+)
+register_experiment(
+    ExperimentSpec(
+        "kv-eval",
+        "compress the KV cache after a prefill by each method and ratio; NLL of the next "
+        "128 tokens (lm) or passkey accuracy",
+        KVEvalOptions,
+        "contribution_weights.experiments.kv_eval:kv_eval",
+        inputs="kv",
+        figure=lambda result: (
+            f"kv-{'accuracy' if result.config['task'] == 'passkey' else 'nll'}.png"
+        ),
+        notes="contribution_weights.experiments.kv_eval:shortfall",
     )
 )
 

@@ -6,7 +6,9 @@ The statistics shared by the geometry analyses: the :class:`Stat` base and
 needs lives in that analysis' module (:mod:`.geometry.analyses`).
 
 An observer (:class:`~.geometry.run.GeometryAccumulator`) hands every :class:`Stat` one
-:class:`BlockView` per layer and block of queries of each sequence (batch of one). A
+:class:`BlockView` per layer and block of queries of each sequence (batch of one): the
+capture's :class:`~contribution_weights.capture.LayerBlock` read in the statistics'
+dtype, its ``LayerTensors`` shared with any other observer of the block. A
 stat folds what it needs into per-sequence buffers, then into running totals at
 ``end_sequence``; nothing of size ``(L, H, T, T)`` is kept, so memory does not grow with
 the number of sequences. Each stat round-trips through ``state_dict`` for resumable runs.
@@ -25,7 +27,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..measures import layer as M
+from ..capture import LayerBlock
+from ..measures import layer as layer_measures
 from ..measures.layer import LayerTensors
 from ..measures.registry import get_measure
 from .sampling import Reservoir
@@ -37,14 +40,31 @@ GROUPS = ("all", "first", "tail")
 
 @dataclass
 class BlockView:
-    """One layer's tensors for a block of queries ``rows`` of a single sequence."""
+    """Geometry's reading of a capture block (one layer, queries ``rows``, one sequence).
 
-    layer: int
-    rows: slice
-    lt: LayerTensors
+    It wraps the :class:`~contribution_weights.capture.LayerBlock` every observer is
+    shown: :attr:`lt` is that block's ``LayerTensors`` in ``dtype`` (built once per block
+    and shared, not rebuilt here), and the quantities the statistics read (α, r, κ, the
+    measures) are derived from it once per block.
+    """
+
+    block: LayerBlock
     num_tokens: int
+    dtype: torch.dtype = torch.float32
     scratch: dict[str, Any] = field(default_factory=dict)  # per layer and sequence
     _weights: dict[str, Tensor] = field(default_factory=dict, repr=False)
+
+    @property
+    def layer(self) -> int:
+        return self.block.layer_idx
+
+    @property
+    def rows(self) -> slice:
+        return self.block.rows
+
+    @cached_property
+    def lt(self) -> LayerTensors:
+        return self.block.tensors(self.dtype)
 
     @property
     def first_block(self) -> bool:
@@ -66,11 +86,11 @@ class BlockView:
 
     @cached_property
     def r(self) -> Tensor:
-        return M.relative_norm(self.lt)[0]
+        return layer_measures.relative_norm(self.lt)[0]
 
     @cached_property
     def kappa(self) -> Tensor:
-        return M.cosine(self.lt)[0]
+        return layer_measures.cosine(self.lt)[0]
 
     @cached_property
     def value_norm(self) -> Tensor:  # (H, T)

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..capture import LayerCall, capturing
+from ..capture import LayerBlock, LayerCall, capturing
 from ..defaults import MODES, SCOPES, SINK_COSINE  # light: the CLI shows them before torch
 from ..measures.aggregates import later_query_mean, later_query_sums
 from ..measures.layer import LayerTensors
@@ -162,7 +162,7 @@ class SequentialRemoval:
         for start in range(0, limit, step):
             block = slice(start, min(limit, start + step))
             probs = call.probs(block, idx)  # only this measure's batch rows
-            lt = call.layer_tensors(block, probs, dtype, batch=idx)
+            lt = LayerBlock(call, block, probs, batch=idx).tensors(dtype)
             if column_sums is not None:
                 total += column_sums(lt)
             else:

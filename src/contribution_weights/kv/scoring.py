@@ -10,8 +10,9 @@ Memory. Capture shows the observer the attention probabilities block by block (q
 rows, see :mod:`~contribution_weights.capture`). The observer keeps, per layer, only
 ``(B, H, T)`` running sums (accumulated attention) and, for the rows of the last
 ``window`` queries, their ``(B, H, w, T)`` probabilities. The contribution ĉ is computed
-through :meth:`LayerCall.layer_tensors` for those window rows only: nothing of size
-``(H, T, T)`` is built beyond what capture itself builds for one block.
+from the block's tensors for those window rows only (:meth:`LayerBlock.tensors` with the
+window's rows): nothing of size ``(H, T, T)`` is built beyond what capture itself builds
+for one block.
 
 Sliding-window layers (Gemma 2/3, Mistral with a window) are not compressed: their cache
 is already bounded by the window, and transformers sizes their attention masks from the
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..capture import LayerCall, capturing, check_all_layers_seen
+from ..capture import LayerBlock, capturing, check_all_layers_seen
 from ..loading import LoadedModel
 from ..measures.layer import contribution as contribution_weights
 from .methods import (
@@ -83,7 +84,8 @@ class StatsObserver:
         """Whether the window's query rows are needed at all."""
         return bool(self.needs & {"window_probs", "window_contribution", "projected_value_norm"})
 
-    def observe(self, call: LayerCall, rows: slice, probs: Tensor) -> None:
+    def observe(self, view: LayerBlock) -> None:
+        call, rows, probs = view.call, view.rows, view.probs
         if call.layer_idx not in self.layers:
             return
         dtype = torch.promote_types(call.query.dtype, torch.float32)
@@ -104,7 +106,7 @@ class StatsObserver:
         block = probs.detach()[:, :, start - rows.start :]
         if "window_probs" in self.needs:
             part.window_probs.append(block.to(dtype))
-        lt = call.layer_tensors(sub, block, dtype)
+        lt = view.tensors(dtype, rows=sub)  # shared with any other observer of these rows
         if "window_contribution" in self.needs:
             c = contribution_weights(lt).abs()  # (B, H, I, T) over these window rows
             part.window_contribution = _add(part.window_contribution, c.sum(2))

@@ -1,7 +1,8 @@
 """The observer that records a trace during the forward (:class:`TraceRecorder`).
 
-For each traced layer and block of queries it builds the pure-maths
-:class:`~contribution_weights.measures.layer.LayerTensors` in the compute dtype, writes
+For each traced layer and block of queries it reads the block's pure-maths
+:class:`~contribution_weights.measures.layer.LayerTensors` in the compute dtype (from the
+:class:`~contribution_weights.capture.LayerBlock` capture shows every observer), writes
 the stored maps into the map store (straight into it where the store offers a
 destination), folds every requested measure into the reductions, and keeps the per-layer
 vectors that derived measures are read from.
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..capture import LayerCall
+from ..capture import LayerBlock, LayerCall
 from ..measures.reductions import ReductionAccumulator, follows
 from ..measures.registry import AbsoluteOf, RankOne, RowScaled, get_measure
 from .storage import MapStore, is_causal
@@ -63,15 +64,16 @@ class TraceRecorder:
             "key_stop": torch.zeros(n, t, dtype=torch.int32, device=device),
         }
 
-    def observe(self, call: LayerCall, rows: slice, probs: Tensor) -> None:
+    def observe(self, view: LayerBlock) -> None:
+        call, rows = view.call, view.rows
         pos = self._position.get(call.layer_idx)
         if pos is None:
             return
         if not self.vectors:
             self._allocate(call)
-        keys = call.keys if call.keys is not None else slice(0, call.k_len)
+        keys = view.key_range
         k0 = keys.start
-        lt = call.layer_tensors(rows, probs, self.dtype, keys=call.keys)
+        lt = view.tensors(self.dtype)  # shared with any other observer of the block
         start, stop = _key_range(lt.valid[0], call.layer_idx, rows)
         v = self.vectors
         v["key_start"][pos, rows] = start + k0

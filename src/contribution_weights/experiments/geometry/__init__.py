@@ -9,9 +9,9 @@
 
 Layout:
 
-* :mod:`.analysis` — what an analysis is (:class:`Analysis`), the context it builds
-  from (:class:`TableContext`), the registry (:func:`register_analysis`) and
-  :func:`make_stats`;
+* :mod:`.analysis` — what an analysis is (:class:`Analysis`; :class:`LayerMeansAnalysis`
+  for one whose table is a per-layer mean statistic), the context it builds from
+  (:class:`TableContext`), the registry (:func:`register_analysis`) and :func:`make_stats`;
 * :mod:`.analyses` — the built-in analyses, one module each (``regression``,
   ``correlations``, ``first_token_weight``, ``entropy``, ``sink_alignment``,
   ``sink_scaling``, ``norm_fit``, ``semantic_cone``, ``joint_distributions``), each with
@@ -46,6 +46,7 @@ from .analyses.sink_scaling import SCALING_COLUMNS, SinkScaling, SinkScalingResu
 from .analysis import (
     ANALYSES_REGISTRY,
     Analysis,
+    LayerMeansAnalysis,
     SavedRun,
     TableContext,
     analysis_names,
@@ -90,6 +91,7 @@ __all__ = [
     "GeometryOptions",
     "GeometryResult",
     "JointDistributions",
+    "LayerMeansAnalysis",
     "NoSinkLayersWarning",
     "NormFitAnalysis",
     "Regression",

@@ -19,14 +19,14 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 import numpy as np
 import pandas as pd
 
 from ...registry import Registry
 from ..options import GeometryOptions
-from ..stats import ComponentPoints, SinkRate, Stat
+from ..stats import ComponentPoints, LayerMeans, SinkRate, Stat
 
 if TYPE_CHECKING:
     from .result import GeometryResult
@@ -116,6 +116,47 @@ class Analysis(Generic[T]):
         return self.attributes or (self.name,)
 
 
+class LayerMeansAnalysis(Analysis[T]):
+    """An analysis whose table is one per-layer mean statistic (:attr:`stat`, a
+    :class:`~..stats.LayerMeans` kept under the analysis' name), as a frame indexed by
+    layer with the statistic's columns, written to ``per_layer.csv`` as :attr:`prefix`
+    followed by each column's name.
+
+    ``stats``, ``build``, ``from_saved`` and ``per_layer`` follow from :attr:`stat` and
+    :attr:`prefix`; a table that is more than that frame says how it is made from the
+    frame (:meth:`table_from_layers`) and which frame it holds (:meth:`layers_of`).
+    """
+
+    stat: type[LayerMeans]
+    prefix: str = ""  # before each column's name in per_layer.csv
+
+    def stats(self, num_layers: int, num_heads: int, options: GeometryOptions) -> dict[str, Stat]:
+        return {self.name: self.stat(num_layers)}
+
+    def table_from_layers(self, by_layer: pd.DataFrame) -> T:
+        """The table of the per-layer frame (default: the frame itself)."""
+        return cast(T, by_layer)
+
+    def layers_of(self, table: T) -> pd.DataFrame:
+        """The per-layer frame a table holds (default: the table itself)."""
+        return cast(pd.DataFrame, table)
+
+    def build(self, ctx: TableContext) -> T:
+        stat = ctx.stats[self.name]
+        assert isinstance(stat, LayerMeans)
+        return self.table_from_layers(pd.DataFrame(stat.by_layer(), ctx.layers, list(stat.columns)))
+
+    def from_saved(self, saved: SavedRun) -> T | None:
+        columns = [self.prefix + c for c in self.stat.columns]
+        if not set(columns) <= set(saved.per_layer.columns):
+            return None
+        by_layer = saved.per_layer[columns].rename(columns=lambda c: str(c)[len(self.prefix) :])
+        return self.table_from_layers(by_layer)
+
+    def per_layer(self, table: T) -> pd.DataFrame:
+        return self.layers_of(table).add_prefix(self.prefix)
+
+
 ANALYSES_REGISTRY: Registry[Analysis[Any]] = Registry("analysis", plural="analyses")
 
 
@@ -193,14 +234,6 @@ def markdown_table(t: pd.DataFrame, index: bool = True) -> str:
         cells = ([_cell(key)] if index else []) + [_cell(v) for v in values]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def prefixed(t: pd.DataFrame, prefix: str) -> pd.DataFrame | None:
-    """The columns of ``t`` named ``prefix...``, without the prefix (None if there are none)."""
-    cols = [c for c in t.columns if str(c).startswith(prefix)]
-    if not cols:
-        return None
-    return t[cols].rename(columns=lambda c: str(c)[len(prefix) :])
 
 
 def sampled_points(num_layers: int, options: GeometryOptions) -> dict[str, Stat]:

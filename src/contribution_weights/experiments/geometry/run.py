@@ -46,7 +46,7 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from ...capture import LayerCall, capturing, check_all_layers_seen
+from ...capture import LayerBlock, capturing, check_all_layers_seen
 from ...inputs import encode, resolve_layers
 from ...loading import LoadedModel
 from ...runs import fingerprint
@@ -103,14 +103,13 @@ class GeometryAccumulator:
         for stat in self.stats.values():
             stat.begin(num_tokens, self._unit)
 
-    def observe(self, call: LayerCall, rows: slice, probs: Tensor) -> None:
-        if call.batch != 1:
+    def observe(self, view: LayerBlock) -> None:
+        if view.call.batch != 1:
             raise ValueError("geometry statistics take one sequence at a time (batch 1)")
-        lt = call.layer_tensors(rows, probs, self.dtype)
-        scratch = self._scratch.setdefault(call.layer_idx, {})
-        view = BlockView(call.layer_idx, rows, lt, self._tokens, scratch)
+        scratch = self._scratch.setdefault(view.layer_idx, {})
+        geometry_view = BlockView(view, self._tokens, self.dtype, scratch)
         for stat in self.stats.values():
-            stat.observe(view)
+            stat.observe(geometry_view)
 
     def end_sequence(self) -> None:
         for stat in self.stats.values():

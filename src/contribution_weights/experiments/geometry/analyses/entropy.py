@@ -14,17 +14,8 @@ import pandas as pd
 import torch
 
 from ....measures.aggregates import entropy
-from ...options import GeometryOptions
-from ...stats import WEIGHT_MEASURES, BlockView, LayerMeans, Stat
-from ..analysis import (
-    Analysis,
-    SavedRun,
-    TableContext,
-    markdown_table,
-    num,
-    prefixed,
-    register_analysis,
-)
+from ...stats import WEIGHT_MEASURES, BlockView, LayerMeans
+from ..analysis import LayerMeansAnalysis, markdown_table, num, register_analysis
 
 if TYPE_CHECKING:
     from ..result import GeometryResult
@@ -76,30 +67,23 @@ class EntropyTables:
         )  # fmt: skip
 
 
-class EntropyAnalysis(Analysis[EntropyTables]):
+class EntropyAnalysis(LayerMeansAnalysis[EntropyTables]):
     """Table 5: entropy of each weight measure, with and without token 0."""
 
     name = "entropy"
     attributes = ("entropy", "entropy_by_layer")
+    stat = Entropy
+    prefix = PREFIX
 
-    def stats(self, num_layers: int, num_heads: int, options: GeometryOptions) -> dict[str, Stat]:
-        return {"entropy": Entropy(num_layers)}
+    def table_from_layers(self, by_layer: pd.DataFrame) -> EntropyTables:
+        return EntropyTables.of(by_layer)
 
-    def build(self, ctx: TableContext) -> EntropyTables:
-        ent = ctx.stats["entropy"]
-        assert isinstance(ent, Entropy)
-        return EntropyTables.of(pd.DataFrame(ent.by_layer(), ctx.layers, list(ent.columns)))
+    def layers_of(self, table: EntropyTables) -> pd.DataFrame:
+        return table.entropy_by_layer
 
     def to_json(self, table: EntropyTables) -> dict[str, Any]:
         t = table.entropy
         return {"entropy": {row: {m: num(t.loc[row, m]) for m in WEIGHT_MEASURES} for row in ROWS}}
-
-    def from_saved(self, saved: SavedRun) -> EntropyTables | None:
-        by_layer = prefixed(saved.per_layer, PREFIX)
-        return None if by_layer is None else EntropyTables.of(by_layer)
-
-    def per_layer(self, table: EntropyTables) -> pd.DataFrame:
-        return table.entropy_by_layer.add_prefix(PREFIX)
 
     def markdown(self, table: EntropyTables, result: GeometryResult) -> list[str]:
         return ["## Entropy (Table 5)", "", markdown_table(table.entropy), ""]

@@ -13,17 +13,8 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from ....measures.aggregates import first_token_weight
-from ...options import GeometryOptions
-from ...stats import WEIGHT_MEASURES, BlockView, LayerMeans, Stat
-from ..analysis import (
-    Analysis,
-    SavedRun,
-    TableContext,
-    markdown_table,
-    num,
-    prefixed,
-    register_analysis,
-)
+from ...stats import WEIGHT_MEASURES, BlockView, LayerMeans
+from ..analysis import LayerMeansAnalysis, markdown_table, num, register_analysis
 
 if TYPE_CHECKING:
     from ..result import GeometryResult
@@ -58,29 +49,22 @@ class FirstTokenWeightTables:
         return {m: num(self.first_token_weight_by_layer[m].mean()) for m in WEIGHT_MEASURES}
 
 
-class FirstTokenWeightAnalysis(Analysis[FirstTokenWeightTables]):
+class FirstTokenWeightAnalysis(LayerMeansAnalysis[FirstTokenWeightTables]):
     """Table 4: the first-token weight per layer and its mean over layers."""
 
     name = "first_token_weight"
     attributes = ("first_token_weight", "first_token_weight_by_layer")
+    stat = FirstTokenWeight
+    prefix = PREFIX
 
-    def stats(self, num_layers: int, num_heads: int, options: GeometryOptions) -> dict[str, Stat]:
-        return {"first_token_weight": FirstTokenWeight(num_layers)}
+    def table_from_layers(self, by_layer: pd.DataFrame) -> FirstTokenWeightTables:
+        return FirstTokenWeightTables(by_layer)
 
-    def build(self, ctx: TableContext) -> FirstTokenWeightTables:
-        ftw = ctx.stats["first_token_weight"]
-        assert isinstance(ftw, FirstTokenWeight)
-        return FirstTokenWeightTables(pd.DataFrame(ftw.by_layer(), ctx.layers, list(ftw.columns)))
+    def layers_of(self, table: FirstTokenWeightTables) -> pd.DataFrame:
+        return table.first_token_weight_by_layer
 
     def to_json(self, table: FirstTokenWeightTables) -> dict[str, Any]:
         return {"first_token_weight": table.first_token_weight}
-
-    def from_saved(self, saved: SavedRun) -> FirstTokenWeightTables | None:
-        by_layer = prefixed(saved.per_layer, PREFIX)
-        return None if by_layer is None else FirstTokenWeightTables(by_layer)
-
-    def per_layer(self, table: FirstTokenWeightTables) -> pd.DataFrame:
-        return table.first_token_weight_by_layer.add_prefix(PREFIX)
 
     def markdown(self, table: FirstTokenWeightTables, result: GeometryResult) -> list[str]:
         mean = pd.DataFrame([table.first_token_weight], index=["E[w_0]"])

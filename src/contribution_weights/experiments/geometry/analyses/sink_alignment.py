@@ -14,17 +14,8 @@ import torch
 from torch import Tensor
 
 from ....measures.layer import safe_div
-from ...options import GeometryOptions
-from ...stats import BlockView, LayerMeans, Stat
-from ..analysis import (
-    Analysis,
-    SavedRun,
-    TableContext,
-    markdown_table,
-    num,
-    records,
-    register_analysis,
-)
+from ...stats import BlockView, LayerMeans
+from ..analysis import LayerMeansAnalysis, markdown_table, num, records, register_analysis
 
 if TYPE_CHECKING:
     from ..result import GeometryResult
@@ -70,18 +61,11 @@ class SinkAlignment(LayerMeans):
 
 
 # ---- the analysis: its table is the per-layer DataFrame (sink_tail, tail_tail) ---------------
-class SinkAlignmentAnalysis(Analysis[pd.DataFrame]):
+class SinkAlignmentAnalysis(LayerMeansAnalysis[pd.DataFrame]):
     """Figure 5: per layer, mean cos(ṽ_0, ṽ_j) and cos(ṽ_i, ṽ_j)."""
 
     name = "sink_alignment"
-
-    def stats(self, num_layers: int, num_heads: int, options: GeometryOptions) -> dict[str, Stat]:
-        return {"sink_alignment": SinkAlignment(num_layers)}
-
-    def build(self, ctx: TableContext) -> pd.DataFrame:
-        align = ctx.stats["sink_alignment"]
-        assert isinstance(align, SinkAlignment)
-        return pd.DataFrame(align.by_layer(), ctx.layers, list(align.columns))
+    stat = SinkAlignment  # its columns of per_layer.csv are unprefixed
 
     def to_json(self, table: pd.DataFrame) -> dict[str, Any]:
         return {
@@ -90,14 +74,6 @@ class SinkAlignmentAnalysis(Analysis[pd.DataFrame]):
                 "by_layer": records(table.reset_index()),
             }
         }
-
-    def from_saved(self, saved: SavedRun) -> pd.DataFrame | None:
-        if not set(COLUMNS) <= set(saved.per_layer.columns):
-            return None
-        return saved.per_layer[list(COLUMNS)]
-
-    def per_layer(self, table: pd.DataFrame) -> pd.DataFrame:
-        return table
 
     def markdown(self, table: pd.DataFrame, result: GeometryResult) -> list[str]:
         mean = table.mean()
