@@ -642,3 +642,32 @@ def test_a_folder_with_the_old_sha1_fingerprint_resumes(tmp_path):
     pd.testing.assert_frame_equal(again.summary, first.summary)
     with pytest.raises(RunFolderError, match="texts_sha1"):
         faithfulness(lm, [TEXT], out=tmp_path / "r", resume=True, **kw)
+
+
+def test_interventions_run_end_to_end_and_older_folders_resume(tmp_path):
+    """--intervention reaches the removal: key_mask and mean_value give other NLLs than
+    value_zero; a folder written before the option existed resumes as value_zero."""
+    import json
+
+    import numpy as np
+
+    from contribution_weights.experiments.options import FaithfulnessOptions
+
+    lm = tiny_model("llama")
+    chosen = dict(measures=["attention"], rates=[0.5], modes=["comprehensiveness"])
+    kw = dict(chosen, progress=False)
+    nll = {}
+    for how in ("value_zero", "key_mask", "mean_value"):
+        opts = FaithfulnessOptions(intervention=how, **chosen)
+        res = faithfulness(lm, [TEXT, TEXT[::-1]], options=opts, out=tmp_path / how, progress=False)
+        assert json.loads((tmp_path / how / "config.json").read_text())["intervention"] == how
+        nll[how] = res.per_sequence.query("rate == 0.5").nll.to_numpy()
+    assert not np.allclose(nll["key_mask"], nll["value_zero"])
+    assert not np.allclose(nll["mean_value"], nll["value_zero"])
+    config_file = tmp_path / "value_zero" / "config.json"
+    config = json.loads(config_file.read_text())
+    del config["intervention"]  # as written before the option existed
+    config_file.write_text(json.dumps(config))
+    faithfulness(lm, [TEXT, TEXT[::-1]], out=tmp_path / "value_zero", resume=True, **kw)
+    with pytest.raises(ValueError, match="unknown intervention"):
+        FaithfulnessOptions(intervention="drop")

@@ -367,10 +367,63 @@ def _wants(observer: Observer, layer_idx: int) -> bool:
     return True if wants is None else bool(wants(layer_idx))
 
 
+@dataclass
+class AttentionEdit:
+    """What an intervention changes in one layer's attention, per batch row, head and key
+    (each ``(B, H, Tk)``; None: nothing of that kind).
+
+    Attributes:
+        scale: multipliers of the values, ṽ_j ← s_j ṽ_j. A 0 takes the token's value out
+            without renormalising the weights (the removal of method §4, ``value_zero``).
+        masked: keys that leave the softmax: the other weights renormalise, exactly as if
+            the token's key and value were not in the cache (``key_mask``).
+        replaced: values replaced by the mean value the query sees, the mean of v_k over
+            the keys k it may attend to (so no later token leaks into an earlier
+            prediction; ``mean_value``). ṽ = W_O v is linear, so this is the mean
+            projected value of the head.
+    """
+
+    scale: Tensor | None = None
+    masked: Tensor | None = None
+    replaced: Tensor | None = None
+
+
 class Intervention(Protocol):
-    def column_scale(self, call: LayerCall) -> Tensor | None:
-        """``(B, H, Tk)`` multipliers for the attention columns of this layer, or None."""
-        ...
+    """Changes a layer's attention: ``edit(call)`` gives an :class:`AttentionEdit` or None.
+
+    An older form is accepted too: ``column_scale(call)`` giving the ``(B, H, Tk)`` value
+    multipliers alone.
+    """
+
+    def edit(self, call: LayerCall) -> AttentionEdit | None: ...
+
+
+def _edit_of(intervention: Any, call: LayerCall) -> AttentionEdit | None:
+    if intervention is None:
+        return None
+    if hasattr(intervention, "edit"):
+        edit: AttentionEdit | None = intervention.edit(call)
+        return edit
+    scale = intervention.column_scale(call)
+    return None if scale is None else AttentionEdit(scale=scale)
+
+
+def _renormalised(probs: Tensor, masked: Tensor) -> Tensor:
+    """``probs`` with the masked keys' weights set to 0 and each row renormalised over the
+    rest: softmax over the kept keys only (a row with no key left is all 0; a row that
+    loses no weight is left exactly as it was)."""
+    gone = probs.masked_fill(~masked, 0.0).sum(-1, keepdim=True)
+    kept = probs.masked_fill(masked, 0.0)
+    total = kept.sum(-1, keepdim=True)
+    scaled = torch.where(total > 0, kept / total.clamp_min(torch.finfo(kept.dtype).tiny), kept)
+    return torch.where(gone > 0, scaled, probs)
+
+
+def _visible_mean(call: LayerCall, rows: slice, values: Tensor) -> Tensor:
+    """``(B, H, I, d)``: per query, the mean of the values over the keys it may attend to."""
+    valid = call.valid(rows).to(values.dtype)  # (B, I, T)
+    weights = valid / valid.sum(-1, keepdim=True).clamp_min(1.0)
+    return torch.matmul(weights[:, None], values)
 
 
 @dataclass
@@ -412,16 +465,21 @@ class CaptureSession:
             # the intervention ranks tokens on this layer's probabilities: compute them once
             # and let it read them (LayerCall.probs) instead of recomputing them
             call.layer_probs = call.probs(blocks[0])
-        scale = self.intervention.column_scale(call) if self.intervention is not None else None
+        edit = _edit_of(self.intervention, call)
+        scale = None if edit is None else edit.scale
         values = call._expanded(call.value)
         if scale is not None:
             # α·diag(s)·V = α·(s ⊙ V): scale the values (T·d) rather than the probabilities (T²)
             values = values * scale[:, :, :, None].to(values.dtype)
+        replaced = None if edit is None else edit.replaced
+        kept_values = values
+        if replaced is not None:
+            kept_values = values.masked_fill(replaced[:, :, :, None], 0.0)
         # observers that take blocks narrowed to their keys' span (``key_spans = True``)
         # are shown only those keys, and nothing is computed for the keys outside it
         narrow = (
             call.layer_probs is None
-            and scale is None
+            and edit is None
             and all(getattr(o, "key_spans", False) for o in self.observers)
         )
         outputs = []
@@ -431,7 +489,13 @@ class CaptureSession:
                 probs = call.layer_probs
             else:
                 probs = call.probs(rows, keys=keys)
-            block = torch.matmul(probs, values if keys is None else values[:, :, keys])
+            if edit is not None and edit.masked is not None:
+                probs = _renormalised(probs, edit.masked[:, :, None, :])
+            block = torch.matmul(probs, kept_values if keys is None else kept_values[:, :, keys])
+            if replaced is not None:
+                # α_ij · mean_i(v) for the replaced keys j: their weight times the mean
+                share = (probs * replaced[:, :, None, :].to(probs.dtype)).sum(-1, keepdim=True)
+                block = block + share * _visible_mean(call, rows, values)
             if self.observers:
                 if scale is not None:  # observers see the probabilities actually used
                     probs = probs * scale[:, :, None, :].to(probs.dtype)

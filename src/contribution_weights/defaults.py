@@ -23,6 +23,10 @@ DEFAULT_TOP_K = 8
 #: removal experiments (``interventions``, faithfulness and downstream): what a removal
 #: keeps, how tokens are ranked, and the hidden-state cosine that marks a sink token
 MODES = ("comprehensiveness", "sufficiency")
+#: how a removed token leaves a head: its projected value set to 0 without renormalising
+#: (the paper's), its key masked out of the softmax (the weights renormalise), or its value
+#: replaced by the mean value the query sees
+INTERVENTIONS = ("value_zero", "key_mask", "mean_value")
 SCOPES = ("layer", "global")
 SINK_COSINE = 0.95
 

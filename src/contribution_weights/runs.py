@@ -64,10 +64,21 @@ def renamed_keyword(experiment: str, old: str, old_value: T | None, value: T) ->
     return old_value
 
 
+#: options added since older run folders were written, with the value those runs used:
+#: experiment -> {key: value}
+ADDED = {
+    "faithfulness": {"intervention": "value_zero"},
+    "downstream": {"intervention": "value_zero"},
+}
+
+
 def upgraded_config(config: dict[str, Any]) -> dict[str, Any]:
-    """An older run's config with renamed options under their new names."""
-    renames = RENAMED.get(str(config.get("experiment")), {})
-    return {renames.get(k, k): v for k, v in config.items()}
+    """An older run's config with renamed options under their new names and options added
+    since at the value the run used."""
+    experiment = str(config.get("experiment"))
+    renames = RENAMED.get(experiment, {})
+    upgraded = {renames.get(k, k): v for k, v in config.items()}
+    return {**ADDED.get(experiment, {}), **upgraded}
 
 
 class RunFolderError(RuntimeError):

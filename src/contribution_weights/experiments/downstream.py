@@ -95,6 +95,7 @@ def option_scores(
     sink_cosine: float = SINK_COSINE,
     batch_size: int | None = None,
     memory_bytes: int = DEFAULT_MEMORY_BYTES,
+    how: str = "value_zero",
 ) -> torch.Tensor:
     """``(len(removals), len(options))`` summed log-probability of each option's tokens.
 
@@ -115,6 +116,7 @@ def option_scores(
             batch_size=batch_size,
             memory_bytes=memory_bytes,
             last=last,
+            how=how,
         )
 
     if all(len(o) == 1 for o in options):
@@ -230,6 +232,7 @@ class Downstream(Experiment[DownstreamResult]):
             "rates": o.rates,
             "protect_sinks": o.protect_sinks,
             "sink_cosine": o.sink_cosine,
+            "intervention": o.intervention,
             "max_tokens": o.max_tokens,
             "n_items": len(self.items),
             # resuming with other items (prompt, options or answer) is refused
@@ -246,7 +249,7 @@ class Downstream(Experiment[DownstreamResult]):
         scores = option_scores(
             self.model, prompt, options, [CLEAN, *self.removals],
             protect_sinks=o.protect_sinks, sink_cosine=o.sink_cosine,
-            batch_size=self.batch_size, memory_bytes=self.memory_bytes,
+            batch_size=self.batch_size, memory_bytes=self.memory_bytes, how=o.intervention,
         )  # fmt: skip
         picks = pick(scores).tolist()
         clean_ok = int(picks[0] == item.answer)
@@ -313,8 +316,9 @@ def downstream(
     if options is None:
         sink_cosine = renamed_keyword("downstream", "sink_threshold", sink_threshold, sink_cosine)
         options = DownstreamOptions(
-            list(split_names(measures)), as_floats(rates), protect_sinks, max_tokens, sink_cosine
-        )
+            measures=list(split_names(measures)), rates=as_floats(rates),
+            protect_sinks=protect_sinks, max_tokens=max_tokens, sink_cosine=sink_cosine,
+        )  # fmt: skip
     experiment = Downstream(
         model,
         items,

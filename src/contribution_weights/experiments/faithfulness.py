@@ -82,6 +82,7 @@ def sequence_rows(
         sink_cosine=options.sink_cosine,
         batch_size=batch_size,
         memory_bytes=memory_bytes,
+        how=options.intervention,
     )
     nll = mean_nll(logp)
     nll_clean = float(nll[0])
@@ -255,8 +256,9 @@ def faithfulness(
     if options is None:
         sink_cosine = renamed_keyword("faithfulness", "sink_threshold", sink_threshold, sink_cosine)
         options = FaithfulnessOptions(
-            list(split_names(measures)), as_floats(rates), list(split_names(modes)),
-            protect_sinks, scope, max_tokens, sink_cosine,
+            measures=list(split_names(measures)), rates=as_floats(rates),
+            modes=list(split_names(modes)), protect_sinks=protect_sinks, scope=scope,
+            max_tokens=max_tokens, sink_cosine=sink_cosine,
         )  # fmt: skip
     experiment = Faithfulness(
         model, texts, options, source=source, batch_size=batch_size, memory_bytes=memory_bytes

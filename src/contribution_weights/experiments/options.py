@@ -21,7 +21,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..defaults import KV_RATIOS, KV_TASKS, KV_WINDOW, MODES, SCOPES, SINK_COSINE
+from ..defaults import (
+    INTERVENTIONS,
+    KV_RATIOS,
+    KV_TASKS,
+    KV_WINDOW,
+    MODES,
+    SCOPES,
+    SINK_COSINE,
+)
 
 if TYPE_CHECKING:
     from ..interventions import Removal
@@ -133,8 +141,15 @@ def _resolve_measures(measures: Any) -> list[str]:
 
 
 @dataclass
-class FaithfulnessOptions(Options):
-    """Options of :func:`faithfulness` and ``cw faithfulness`` (checked on creation)."""
+class RemovalOptions(Options):
+    """What the removal experiments (faithfulness, downstream) share: the measures that
+    rank tokens, the removal rates, sink protection and how a removed token leaves a head.
+
+    ``intervention``: ``value_zero`` (the paper's: its projected value set to 0, the
+    weights not renormalised), ``key_mask`` (the token leaves the softmax of every head;
+    the weights renormalise), ``mean_value`` (its value replaced by the mean value the
+    query sees). docs/method.md says what each measures and which measure each could favour.
+    """
 
     measures: list[str] = option(
         DEFAULT_MEASURES, "comma-separated measures (any registered measure)",
@@ -143,17 +158,9 @@ class FaithfulnessOptions(Options):
     rates: list[float] = option(
         DEFAULT_RATES, "removal rates p, each in [0, 1]", flag="--rates", parse="floats"
     )
-    modes: list[str] = option(
-        MODES, "comprehensiveness and/or sufficiency", flag="--modes", parse="names"
-    )
     protect_sinks: bool = option(
         True, "let sink tokens be removed too (appendix C.3)",
         flag="--no-sink-protection", parse="no-flag",
-    )  # fmt: skip
-    scope: str = option("layer", "ranking scope", flag="--scope", choices=SCOPES)
-    max_tokens: int = option(
-        512, "keep the first N tokens of longer texts (texts under 2 tokens are skipped)",
-        flag="--max-tokens", parse="int",
     )  # fmt: skip
     sink_cosine: float = option(
         SINK_COSINE,
@@ -161,9 +168,41 @@ class FaithfulnessOptions(Options):
         "this with token 0's",
         flag="--sink-cosine", parse="float", aliases=("--sink-threshold",),
     )  # fmt: skip
+    intervention: str = option(
+        "value_zero",
+        "how a removed token leaves a head: value_zero (its value set to 0, no "
+        "renormalisation: the paper's), key_mask (out of the softmax, which renormalises), "
+        "mean_value (its value replaced by the mean value the query sees)",
+        flag="--intervention", choices=INTERVENTIONS,
+    )  # fmt: skip
 
     def validate(self) -> None:
         self.measures = _resolve_measures(self.measures)  # a string is a name or "a,b"
+        self.rates = check_rates(self.rates)
+        self.sink_cosine = check_sink_cosine(self.sink_cosine)
+        self.protect_sinks = bool(self.protect_sinks)
+        if self.intervention not in INTERVENTIONS:
+            raise ValueError(
+                f"unknown intervention {self.intervention!r}; choose from "
+                f"{', '.join(INTERVENTIONS)}"
+            )
+
+
+@dataclass
+class FaithfulnessOptions(RemovalOptions):
+    """Options of :func:`faithfulness` and ``cw faithfulness`` (checked on creation)."""
+
+    modes: list[str] = option(
+        MODES, "comprehensiveness and/or sufficiency", flag="--modes", parse="names"
+    )
+    scope: str = option("layer", "ranking scope", flag="--scope", choices=SCOPES)
+    max_tokens: int = option(
+        512, "keep the first N tokens of longer texts (texts under 2 tokens are skipped)",
+        flag="--max-tokens", parse="int",
+    )  # fmt: skip
+
+    def validate(self) -> None:
+        super().validate()
         self.modes = list(dict.fromkeys(split_names(self.modes)))
         for m in self.modes:
             if m not in MODES:
@@ -172,10 +211,7 @@ class FaithfulnessOptions(Options):
             raise ValueError(f"no mode given; choose from {', '.join(MODES)}")
         if self.scope not in SCOPES:
             raise ValueError(f"unknown scope {self.scope!r}; choose from {', '.join(SCOPES)}")
-        self.rates = check_rates(self.rates)
         self.max_tokens = check_max_tokens(self.max_tokens)
-        self.sink_cosine = check_sink_cosine(self.sink_cosine)
-        self.protect_sinks = bool(self.protect_sinks)
 
     def check(self) -> FaithfulnessOptions:
         """Validated already on creation; kept for callers of the older API."""
@@ -214,42 +250,22 @@ def check_sink_cosine(value: Any) -> float:
 
 
 @dataclass
-class DownstreamOptions(Options):
+class DownstreamOptions(RemovalOptions):
     """Options of :func:`downstream` and ``cw downstream`` (checked on creation)."""
 
-    measures: list[str] = option(
-        DEFAULT_MEASURES, "comma-separated measures (any registered measure)",
-        flag="--measures", parse="names",
-    )  # fmt: skip
-    rates: list[float] = option(
-        DEFAULT_RATES, "removal rates p, each in [0, 1]", flag="--rates", parse="floats"
-    )
-    protect_sinks: bool = option(
-        True, "let sink tokens be removed too (appendix C.3)",
-        flag="--no-sink-protection", parse="no-flag",
-    )  # fmt: skip
     max_tokens: int = option(
         512, "skip items whose prompt plus longest option exceed N tokens",
         flag="--max-tokens", parse="int",
     )  # fmt: skip
-    sink_cosine: float = option(
-        SINK_COSINE,
-        "a token is a sink at a layer when its layer-input hidden state has cosine above "
-        "this with token 0's",
-        flag="--sink-cosine", parse="float", aliases=("--sink-threshold",),
-    )  # fmt: skip
 
     def validate(self) -> None:
-        self.measures = _resolve_measures(self.measures)  # a string is a name or "a,b"
-        self.rates = check_rates(self.rates)
+        super().validate()
         if int(self.max_tokens) < 2:
             raise ValueError(
                 f"max_tokens must be at least 2 (a prompt token and an option token), "
                 f"got {self.max_tokens}"
             )
         self.max_tokens = int(self.max_tokens)
-        self.sink_cosine = check_sink_cosine(self.sink_cosine)
-        self.protect_sinks = bool(self.protect_sinks)
 
     def removals(self) -> list[Removal]:
         from ..interventions import Removal

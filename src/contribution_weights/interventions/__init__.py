@@ -33,7 +33,7 @@ token_logprobs``); a test that replaces a name must patch the module that looks 
 (``interventions.removal.column_sums_of``, ``interventions.batching._forward``).
 """
 
-from ..defaults import MODES, SCOPES, SINK_COSINE  # light: the CLI shows them before torch
+from ..defaults import INTERVENTIONS, MODES, SCOPES, SINK_COSINE  # light: the CLI shows them
 from .batching import (
     DEFAULT_MEMORY_BYTES,
     InterventionFor,
@@ -57,6 +57,7 @@ from .sinks import SinkTracker, SinkValueScale, sink_mask, tracking_sinks
 __all__ = [
     "CLEAN",
     "DEFAULT_MEMORY_BYTES",
+    "INTERVENTIONS",
     "MODES",
     "SCOPES",
     "SINK_COSINE",

@@ -102,6 +102,7 @@ def token_logprobs(
     batch_size: int | None = None,
     memory_bytes: int = DEFAULT_MEMORY_BYTES,
     last: bool = False,
+    how: str = "value_zero",
 ) -> Tensor:
     """``(R, T-1)``: log p(token t+1 | ≤ t) of each row of ``input_ids`` ``(R, T)``.
 
@@ -110,7 +111,8 @@ def token_logprobs(
     position only), which scores every one-token continuation at once.
 
     ``batch_size`` rows run per forward (default: as many as fit ``memory_bytes``);
-    results do not depend on it beyond float rounding.
+    results do not depend on it beyond float rounding. ``how``: how a removed token leaves
+    a head (:class:`~.removal.SequentialRemoval`).
     """
     if input_ids.ndim != 2 or input_ids.shape[0] != len(removals):
         raise ValueError(
@@ -127,6 +129,7 @@ def token_logprobs(
                 sinks=sinks,
                 protect_sinks=protect_sinks,
                 scope=scope,
+                how=how,
             )
 
     return intervened_logprobs(

@@ -37,8 +37,13 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..capture import LayerBlock, LayerCall, capturing
-from ..defaults import MODES, SCOPES, SINK_COSINE  # light: the CLI shows them before torch
+from ..capture import AttentionEdit, LayerBlock, LayerCall, capturing
+from ..defaults import (  # light: the CLI shows them before torch
+    INTERVENTIONS,
+    MODES,
+    SCOPES,
+    SINK_COSINE,
+)
 from ..measures.aggregates import later_query_mean, later_query_sums
 from ..measures.layer import LayerTensors
 from ..measures.registry import get_measure
@@ -106,6 +111,10 @@ class SequentialRemoval:
         compute_dtype: dtype of the measure maths.
         block_bytes: memory bound for one block of query rows of measure intermediates.
         keep_history: keep a :class:`LayerRecord` per layer in :attr:`history`.
+        how: how a removed token leaves a head (:data:`~...defaults.INTERVENTIONS`):
+            ``value_zero`` (its projected value set to 0, no renormalisation: the paper's),
+            ``key_mask`` (it leaves the softmax; the weights renormalise), ``mean_value``
+            (its value replaced by the mean value the query sees).
     """
 
     def __init__(
@@ -119,9 +128,15 @@ class SequentialRemoval:
         compute_dtype: torch.dtype = torch.float32,
         block_bytes: int = 256 * 1024**2,
         keep_history: bool = False,
+        how: str = "value_zero",
     ) -> None:
         if scope not in SCOPES:
             raise ValueError(f"unknown scope {scope!r}; choose one of {', '.join(SCOPES)}")
+        if how not in INTERVENTIONS:
+            raise ValueError(
+                f"unknown intervention {how!r}; choose one of {', '.join(INTERVENTIONS)}"
+            )
+        self.how = how
         if scope == "global" and any(r.measure and r.threshold is None for r in removals):
             raise ValueError("global scope needs a threshold per removal (global_thresholds)")
         self.removals = list(removals)
@@ -169,7 +184,20 @@ class SequentialRemoval:
                 total += later_query_sums(lt.masked(compute(lt)), start)
         return later_query_mean(total, limit)
 
-    def column_scale(self, call: LayerCall) -> Tensor | None:
+    def edit(self, call: LayerCall) -> AttentionEdit | None:
+        """The removed tokens of each batch row and head, as :attr:`how` removes them."""
+        removed = self.removed(call)
+        if removed is None:
+            return None
+        if self.how == "key_mask":
+            return AttentionEdit(masked=removed)
+        if self.how == "mean_value":
+            return AttentionEdit(replaced=removed)
+        return AttentionEdit(scale=(~removed).to(call.query.dtype))
+
+    def removed(self, call: LayerCall) -> Tensor | None:
+        """``(B, H, T)`` bool: the tokens each batch row removes from each head of this
+        layer (None when no row removes anything)."""
         if call.batch != len(self.removals):
             raise ValueError(
                 f"the batch has {call.batch} rows but {len(self.removals)} removals were given"
@@ -192,7 +220,7 @@ class SequentialRemoval:
             )
         if not groups:
             return None
-        return (~removed).to(call.query.dtype)
+        return removed
 
     def _select(self, scores: Tensor, eligible: Tensor, removals: list[Removal]) -> Tensor:
         """``(n, H, T)`` bool: which eligible tokens each row removes from each head."""

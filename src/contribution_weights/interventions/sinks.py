@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..capture import LayerCall
+from ..capture import AttentionEdit, LayerCall
 from ..defaults import SINK_COSINE  # light: the CLI shows it before torch
 from ..families import family_for
 
@@ -80,12 +80,12 @@ class SinkValueScale:
     layers: frozenset[int]
     gammas: Tensor  # (B,)
 
-    def column_scale(self, call: LayerCall) -> Tensor | None:
+    def edit(self, call: LayerCall) -> AttentionEdit | None:
         if call.layer_idx not in self.layers:
             return None
         scale = torch.ones(call.batch, call.num_heads, call.k_len, device=call.query.device)
         scale[:, :, 0] = self.gammas.to(scale.device)[:, None]
-        return scale
+        return AttentionEdit(scale=scale)
 
 
 __all__ = ["SinkTracker", "SinkValueScale", "sink_mask", "tracking_sinks"]
