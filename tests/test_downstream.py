@@ -159,7 +159,7 @@ def test_resume_redoes_an_item_cut_mid_write(tmp_path):
 
 def test_a_measure_string_is_a_name_not_letters():
     lm = tiny_model("llama")
-    res = downstream(lm, ITEMS[:1], measures="ihc", rates=0.5, progress=False)
+    res = downstream(lm, ITEMS[:1], measures="ihc", rates=0.5, baselines="none", progress=False)
     assert res.config["measures"] == ["ihc"] and res.summary.measure.tolist() == ["ihc"]
 
 

@@ -80,7 +80,8 @@ def test_faithfulness_ranks_by_its_column_sums(attention_on):
     lm = tiny_model("llama")
     res = cw.faithfulness(lm, [TEXT, TEXT[::-1]], measures=[NAME], rates=[0.5], progress=False)
     rows = res.per_sequence
-    assert set(rows.measure) == {NAME} and rows.nll.notna().all()
+    assert set(rows.measure) == {NAME, "random:0", "random:1", "random:2", "recency"}
+    assert rows.nll.notna().all()
 
 
 def test_cli_report_and_figures(attention_on, tmp_path, capsys):

@@ -192,7 +192,7 @@ def test_rate_zero_reproduces_clean_perplexity_exactly():
 def test_batched_equals_one_configuration_at_a_time(scope):
     lm = tiny_model("qwen2")
     kw = dict(measures=["attention", "vw_on", "distance"], rates=[0.2, 0.6], scope=scope,
-              progress=False)  # fmt: skip
+              baselines="none", progress=False)  # fmt: skip
     batched = faithfulness(lm, [TEXT], **kw).per_sequence
     single = faithfulness(lm, [TEXT], batch_size=1, **kw).per_sequence
     assert len(batched) == 3 * 2 * 2
@@ -264,7 +264,7 @@ def test_bad_options_fail_with_the_fix():
 def test_run_folder_files_resume_and_summary(tmp_path):
     lm = tiny_model("gpt2")
     texts = [TEXT, "a short one here", "x" * 30]
-    kw = dict(measures=["attention", "ihc"], rates=[0.1, 0.5], progress=False)
+    kw = dict(measures=["attention", "ihc"], rates=[0.1, 0.5], baselines="none", progress=False)
     first = faithfulness(lm, texts[:2], out=tmp_path / "run", **kw)
     names = {p.name for p in (tmp_path / "run").iterdir()}
     assert names >= {"config.json", "per_sequence.csv", "summary.csv"}
@@ -350,7 +350,7 @@ def test_rows_are_chunked_by_memory_and_halved_on_out_of_memory(monkeypatch):
 def test_resume_redoes_a_sequence_cut_mid_write(tmp_path):
     lm = tiny_model("gpt2")
     texts = [TEXT, "a short one here"]
-    kw = dict(measures=["attention", "ihc"], rates=[0.1, 0.5], progress=False)
+    kw = dict(measures=["attention", "ihc"], rates=[0.1, 0.5], baselines="none", progress=False)
     first = faithfulness(lm, texts, out=tmp_path / "run", **kw)
     csv = tmp_path / "run" / "per_sequence.csv"
     lines = csv.read_text().splitlines(keepends=True)
@@ -369,12 +369,12 @@ def test_resume_redoes_a_sequence_cut_mid_write(tmp_path):
 def test_a_measure_or_mode_string_is_a_name_not_letters():
     lm = tiny_model("llama")
     res = faithfulness(lm, [TEXT], measures="ihc", modes="sufficiency", rates=0.5,
-                       progress=False)  # fmt: skip
+                       baselines="none", progress=False)  # fmt: skip
     assert res.config["measures"] == ["ihc"] and res.config["modes"] == ["sufficiency"]
     assert set(res.per_sequence["mode"]) == {"sufficiency"} and len(res.per_sequence) == 1
     modes = "comprehensiveness,sufficiency"
     both = faithfulness(lm, [TEXT], measures="attention,ihc", modes=modes, rates=[0.5],
-                        progress=False)  # fmt: skip
+                        baselines="none", progress=False)  # fmt: skip
     assert both.config["measures"] == ["attention", "ihc"] and len(both.per_sequence) == 4
 
 
@@ -397,7 +397,8 @@ def test_batch_size_below_one_is_refused(size, tmp_path, monkeypatch, capsys):
 def test_blank_and_one_token_texts_are_skipped_and_counted():
     lm = tiny_model("llama")
     res = faithfulness(lm, [TEXT, "   ", "a", "another short text"], measures=["attention"],
-                       rates=[0.5], modes=["sufficiency"], progress=False)  # fmt: skip
+                       rates=[0.5], modes=["sufficiency"], baselines="none",
+                       progress=False)  # fmt: skip
     assert sorted(res.per_sequence.seq) == [0, 3]
     assert [(s["unit"], s["reason"]) for s in res.run_info["skipped"]] == [
         (1, "blank text"),
@@ -671,3 +672,31 @@ def test_interventions_run_end_to_end_and_older_folders_resume(tmp_path):
     faithfulness(lm, [TEXT, TEXT[::-1]], out=tmp_path / "value_zero", resume=True, **kw)
     with pytest.raises(ValueError, match="unknown intervention"):
         FaithfulnessOptions(intervention="drop")
+
+
+def test_baselines_rank_like_measures():
+    """random:SEED and recency run beside the measures (the default): recency removes the
+    latest eligible tokens, the seeds draw different rankings, and a run can have none."""
+    import numpy as np
+
+    lm = tiny_model("llama")
+    res = faithfulness(lm, [TEXT, TEXT[::-1]], measures=["attention"], rates=[0.5],
+                       modes=["comprehensiveness"], progress=False)  # fmt: skip
+    assert list(dict.fromkeys(res.per_sequence.measure)) == [
+        "attention", "random:0", "random:1", "random:2", "recency"
+    ]  # fmt: skip
+    assert res.config["baselines"] == ["random", "recency"] and res.config["random_seeds"] == 3
+    ids = _ids()
+    rows = [Removal(m, "comprehensiveness", 0.5) for m in ("recency", "random:0", "random:1")]
+    history, _ = _run_history(lm, rows, ids)
+    rec = history[0]
+    t = ids.numel()
+    eligible = rec.eligible[0].nonzero().flatten()
+    latest = eligible[-int(np.ceil(0.5 * len(eligible))) :]
+    assert rec.removed[0, :, latest].all() and rec.removed[0].sum() == 4 * len(latest)
+    assert not torch.equal(rec.removed[1], rec.removed[2])  # two seeds, two rankings
+    assert rec.removed[1].shape[-1] == t
+    with pytest.raises(ValueError, match="unknown baseline 'oracle'"):
+        faithfulness(lm, [TEXT], baselines="oracle", progress=False)
+    with pytest.raises(ValueError, match="random:SEED"):
+        SequentialRemoval([Removal("random:x", "comprehensiveness", 0.5)])

@@ -67,8 +67,8 @@ def renamed_keyword(experiment: str, old: str, old_value: T | None, value: T) ->
 #: options added since older run folders were written, with the value those runs used:
 #: experiment -> {key: value}
 ADDED = {
-    "faithfulness": {"intervention": "value_zero"},
-    "downstream": {"intervention": "value_zero"},
+    "faithfulness": {"intervention": "value_zero", "baselines": [], "random_seeds": 3},
+    "downstream": {"intervention": "value_zero", "baselines": [], "random_seeds": 3},
 }
 
 

@@ -25,6 +25,7 @@ from ..interventions import CLEAN, DEFAULT_MEMORY_BYTES, SINK_COSINE, Removal, t
 from ..loading import LoadedModel
 from ..runs import fingerprint, renamed_keyword
 from .options import (  # the options are light: the CLI reads them before torch
+    BASELINES,
     DEFAULT_MEASURES,
     DEFAULT_RATES,
     DownstreamOptions,
@@ -233,6 +234,8 @@ class Downstream(Experiment[DownstreamResult]):
             "protect_sinks": o.protect_sinks,
             "sink_cosine": o.sink_cosine,
             "intervention": o.intervention,
+            "baselines": o.baselines,
+            "random_seeds": o.random_seeds,
             "max_tokens": o.max_tokens,
             "n_items": len(self.items),
             # resuming with other items (prompt, options or answer) is refused
@@ -303,6 +306,8 @@ def downstream(
     memory_bytes: int = DEFAULT_MEMORY_BYTES,
     progress: bool = True,
     source: str | None = None,
+    baselines: Sequence[str] | str = BASELINES,
+    intervention: str = "value_zero",
 ) -> DownstreamResult:
     """Accuracy under sufficiency removal over the prompt tokens, per measure and rate.
 
@@ -318,6 +323,7 @@ def downstream(
         options = DownstreamOptions(
             measures=list(split_names(measures)), rates=as_floats(rates),
             protect_sinks=protect_sinks, max_tokens=max_tokens, sink_cosine=sink_cosine,
+            baselines=list(split_names(baselines)), intervention=intervention,
         )  # fmt: skip
     experiment = Downstream(
         model,

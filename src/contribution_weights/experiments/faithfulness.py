@@ -31,6 +31,7 @@ from ..interventions import (
 from ..loading import LoadedModel
 from ..runs import fingerprint, renamed_keyword
 from .options import (  # the options are light: the CLI reads them before torch
+    BASELINES,
     DEFAULT_MEASURES,
     DEFAULT_RATES,
     FaithfulnessOptions,
@@ -235,6 +236,8 @@ def faithfulness(
     memory_bytes: int = DEFAULT_MEMORY_BYTES,
     progress: bool = True,
     source: str | None = None,
+    baselines: Sequence[str] | str = BASELINES,
+    intervention: str = "value_zero",
 ) -> FaithfulnessResult:
     """Comprehensiveness and sufficiency of each measure on ``texts`` (method §4).
 
@@ -242,23 +245,25 @@ def faithfulness(
     blank texts and texts of fewer than 2 tokens are skipped (listed with the reason in
     ``result.run_info["skipped"]``).
     With ``out`` the run is written to that folder (``config.json``, ``per_sequence.csv``
-    appended per sequence, then ``summary.csv`` and ``run_info.json``; figures are the
-    caller's: ``result.plot(path)``, as ``cw faithfulness`` does); ``resume``
+    appended per sequence, then ``summary.csv`` and ``run_info.json``; the figure is the
+    caller's: ``cw.plot(result, path)``, as ``cw faithfulness`` does); ``resume``
     continues a run there, skipping finished sequences. Launched with several processes
     (``accelerate launch -m contribution_weights faithfulness ...``) the sequences are
     split over them (see :mod:`.runner`).
 
     ``options`` (a :class:`FaithfulnessOptions`, as ``cw faithfulness`` builds it), when
     given, is used instead of ``measures``, ``rates``, ``modes``, ``protect_sinks``,
-    ``scope``, ``max_tokens`` and ``sink_cosine`` (``sink_threshold`` is its deprecated
-    older name).
+    ``scope``, ``max_tokens``, ``sink_cosine`` (``sink_threshold`` is its deprecated
+    older name), ``baselines`` (rankings beside the measures: ``random`` and ``recency``
+    by default, ``"none"`` for none) and ``intervention``.
     """
     if options is None:
         sink_cosine = renamed_keyword("faithfulness", "sink_threshold", sink_threshold, sink_cosine)
         options = FaithfulnessOptions(
             measures=list(split_names(measures)), rates=as_floats(rates),
             modes=list(split_names(modes)), protect_sinks=protect_sinks, scope=scope,
-            max_tokens=max_tokens, sink_cosine=sink_cosine,
+            max_tokens=max_tokens, sink_cosine=sink_cosine, baselines=list(split_names(baselines)),
+            intervention=intervention,
         )  # fmt: skip
     experiment = Faithfulness(
         model, texts, options, source=source, batch_size=batch_size, memory_bytes=memory_bytes

@@ -128,6 +128,8 @@ def as_ints(value: int | str | Sequence[int]) -> list[int]:
 
 # ---- the experiments' options ------------------------------------------------------------
 DEFAULT_MEASURES = ("attention", "vw", "vw_on", "ihc")
+#: rankings that read no measure: seeded uniform scores, and the latest tokens first
+BASELINES = ("random", "recency")
 DEFAULT_RATES = (0.1, 0.2, 0.3, 0.4, 0.5)
 DEFAULT_GAMMAS = (1.0, 0.8, 0.6, 0.4, 0.2, 0.0)
 SINK_LAYER_THRESHOLD = 0.5
@@ -168,6 +170,15 @@ class RemovalOptions(Options):
         "this with token 0's",
         flag="--sink-cosine", parse="float", aliases=("--sink-threshold",),
     )  # fmt: skip
+    baselines: list[str] = option(
+        ("random", "recency"),
+        "baselines ranked like the measures: random (seeded uniform, --random-seeds of "
+        "them), recency (the latest tokens first); none for no baseline",
+        flag="--baselines", parse="names",
+    )  # fmt: skip
+    random_seeds: int = option(
+        3, "seeds of the random baseline", flag="--random-seeds", parse="int"
+    )
     intervention: str = option(
         "value_zero",
         "how a removed token leaves a head: value_zero (its value set to 0, no "
@@ -181,11 +192,28 @@ class RemovalOptions(Options):
         self.rates = check_rates(self.rates)
         self.sink_cosine = check_sink_cosine(self.sink_cosine)
         self.protect_sinks = bool(self.protect_sinks)
+        names = [b for b in split_names(self.baselines) if b != "none"]
+        for b in names:
+            if b not in BASELINES:
+                raise ValueError(
+                    f"unknown baseline {b!r}; choose from {', '.join(BASELINES)} (or none)"
+                )
+        self.baselines = list(dict.fromkeys(names))
+        if int(self.random_seeds) < 1:
+            raise ValueError(f"random_seeds must be at least 1, got {self.random_seeds}")
+        self.random_seeds = int(self.random_seeds)
         if self.intervention not in INTERVENTIONS:
             raise ValueError(
                 f"unknown intervention {self.intervention!r}; choose from "
                 f"{', '.join(INTERVENTIONS)}"
             )
+
+    def rankings(self) -> list[str]:
+        """What ranks tokens: the measures, then the baselines (``random:SEED`` per seed)."""
+        out = list(self.measures)
+        for b in self.baselines:
+            out += [f"random:{k}" for k in range(self.random_seeds)] if b == "random" else [b]
+        return out
 
 
 @dataclass
@@ -223,7 +251,7 @@ class FaithfulnessOptions(RemovalOptions):
 
         return [
             Removal(m, mode, rate)
-            for m, mode, rate in itertools.product(self.measures, self.modes, self.rates)
+            for m, mode, rate in itertools.product(self.rankings(), self.modes, self.rates)
         ]
 
 
@@ -270,7 +298,7 @@ class DownstreamOptions(RemovalOptions):
     def removals(self) -> list[Removal]:
         from ..interventions import Removal
 
-        return [Removal(m, "sufficiency", r) for m in self.measures for r in self.rates]
+        return [Removal(m, "sufficiency", r) for m in self.rankings() for r in self.rates]
 
 
 @dataclass

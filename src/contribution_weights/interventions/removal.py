@@ -50,6 +50,38 @@ from ..measures.registry import get_measure
 from .sinks import SinkTracker, tracking_sinks
 
 
+# ---- baselines: rankings that read no measure ---------------------------------------------
+def baseline_scores(name: str, call: LayerCall, n: int) -> Tensor | None:
+    """``(n, H, T)`` token scores of a baseline ranking, or None when ``name`` is a measure.
+
+    ``random:SEED``: uniform scores drawn per (layer, head, token) from ``SEED`` (and the
+    layer and length, so each layer ranks afresh); ``recency``: the position, so the latest
+    tokens rank as most important. Baselines rank like measures (the same eligibility,
+    modes, rates and scopes) and say how much of a measure's effect any ranking gets.
+    """
+    h, t = call.num_heads, call.k_len
+    device = call.query.device
+    if name == "recency":
+        return torch.arange(t, device=device, dtype=torch.float32).expand(n, h, t).clone()
+    if name.startswith("random:"):
+        seed = int(name.partition(":")[2])
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + call.layer_idx * 7_919 + t)
+        return torch.rand(h, t, generator=gen).to(device).expand(n, h, t).clone()
+    return None
+
+
+def check_ranking(name: str) -> None:
+    """A registered measure, ``recency`` or ``random:SEED``; else a clear ValueError."""
+    if name == "recency":
+        return
+    if name.startswith("random:"):
+        seed = name.partition(":")[2]
+        if not seed.isdigit():
+            raise ValueError(f"random baseline {name!r}: write random:SEED, e.g. random:0")
+        return
+    get_measure(name)
+
+
 @dataclass(frozen=True)
 class Removal:
     """What one batch row removes. ``measure=None``: nothing (the clean row).
@@ -68,7 +100,7 @@ class Removal:
         if not 0.0 <= self.rate <= 1.0:
             raise ValueError(f"removal rate {self.rate} is outside [0, 1]; pass rates like 0.1,0.5")
         if self.measure is not None:
-            get_measure(self.measure)
+            check_ranking(self.measure)
 
 
 CLEAN = Removal(None)
@@ -160,7 +192,11 @@ class SequentialRemoval:
         return ok
 
     def token_scores(self, call: LayerCall, rows: Sequence[int], measure: str) -> Tensor:
-        """``(len(rows), H, T)``: s_j = mean over scoring queries i ≥ j of the measure."""
+        """``(len(rows), H, T)``: s_j = mean over scoring queries i ≥ j of the measure (a
+        baseline's own scores for ``recency`` and ``random:SEED``)."""
+        baseline = baseline_scores(measure, call, len(rows))
+        if baseline is not None:
+            return baseline.to(self.compute_dtype)
         idx = torch.tensor(list(rows), device=call.query.device)
         h, t = call.num_heads, call.k_len
         limit = t if self.eligible_len is None else min(t, self.eligible_len)
@@ -301,6 +337,8 @@ __all__ = [
     "LayerRecord",
     "Removal",
     "SequentialRemoval",
+    "baseline_scores",
+    "check_ranking",
     "column_sums_of",
     "global_thresholds",
     "removal_count",
