@@ -286,7 +286,7 @@ def test_page_says_only_its_values_are_rounded(tiny_trace):
     assert "model ran unquantised" in meta["rounding"]
     js = Path(cw.__file__).parent / "presentation" / "assets" / "report.js"
     text = js.read_text("utf-8")
-    assert "8-bit weights" not in text and "the model is not quantised" in text
+    assert "8-bit weights" not in text and "the trace itself is not rounded" in text
     assert meta["defaults"] == {"contrast": "linear", "heat_rows": "block"}  # 12 tokens
 
 

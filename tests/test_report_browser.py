@@ -263,7 +263,7 @@ def test_a_300_token_report_shows_structure_by_default(tmp_path, browser, smollm
     assert b.js("return document.getElementById('cw-contrast').value;") == "sqrt"
     assert b.js("return document.getElementById('cw-heat-rows').value;") == "row"
     subtitle = b.js("return document.getElementById('cw-subtitle').textContent;")
-    assert "8-bit weights" not in subtitle and "model is not quantised" in subtitle
+    assert "8-bit weights" not in subtitle and "trace itself is not rounded" in subtitle
     shown = [b.js(_VISIBLE, f"#cw-hm-{k}") for k in (0, 1)]
     b.click('.tok[data-i="280"]')
     _settled(b)

@@ -434,7 +434,7 @@
       META.layers.length + " of " + META.traced_layers.length + " traced layers embedded",
       H + " heads",
       (META.precision === "uint8" ? "values rounded to 8 bits" : "values rounded to float16") +
-        " for this page (the model is not quantised; see “About these numbers”)",
+        " for this page (the trace itself is not rounded; see “About these numbers”)",
     ].filter(Boolean);
     $("cw-subtitle").innerHTML = sub.join(" · ");
     META.warnings.forEach((w) => {
