@@ -407,3 +407,38 @@ def test_a_method_registered_from_outside_runs_in_kv_eval(tmp_path: Any, capsys:
         assert "last_keys" in (out / "summary.csv").read_text()
     finally:
         kv.METHODS.unregister("last_keys")
+
+
+def test_a_window_only_prefill_runs_on_sdpa_and_gives_the_same_stats() -> None:
+    """Methods that read only the observation window: layers run on sdpa, the window's
+    probabilities are eager; the statistics and kept sets equal those of the all-eager
+    prefill (to the float32 rounding of eager's softmax)."""
+    from contribution_weights.capture import CaptureSession
+
+    model = tiny_model("qwen2", dtype=torch.float64)
+    ids = _ids(T, seed=13)
+    methods = ["snapkv", "window_attention", "contribution", "tova", "knorm"]
+    calls: list[int] = []
+    real = CaptureSession._sdpa
+
+    def counting(self: Any, call: Any) -> Tensor:
+        calls.append(call.layer_idx)
+        return real(self, call)
+
+    full = kv.prefill(model, ids, window=WINDOW)  # h2o and vatp need every query: eager
+    CaptureSession._sdpa = counting  # type: ignore[method-assign]
+    try:
+        fast = kv.prefill(model, ids, window=WINDOW, methods=methods)
+    finally:
+        CaptureSession._sdpa = real  # type: ignore[method-assign]
+    assert len(calls) == model.num_layers  # every layer on sdpa
+    for layer, stats in fast.stats.items():
+        ref = full.stats[layer]
+        assert stats.attn_sum is None
+        torch.testing.assert_close(stats.window_probs, ref.window_probs, rtol=1e-6, atol=1e-8)
+        torch.testing.assert_close(
+            stats.window_contribution, ref.window_contribution, rtol=1e-6, atol=1e-8
+        )
+    for method in methods:
+        a, b = kv.compress(fast, method, 0.5), kv.compress(full, method, 0.5)
+        assert all(torch.equal(a.kept[i], b.kept[i]) for i in a.kept), method

@@ -356,7 +356,10 @@ class Observer(Protocol):
     (the same object for every observer of the block, valid during the call only).
 
     Optional methods, looked up with ``getattr``: ``wants(layer_idx) -> bool`` (default:
-    every layer) and ``skipped(call)``, called for a layer that ran without observation.
+    every layer), ``skipped(call)``, called for a layer that ran without observation, and
+    ``query_rows(call) -> slice | None``: the only queries it needs to see (None: all).
+    When every observer of a layer names its rows, the layer runs on the model's own sdpa
+    kernel and only those rows' probabilities are computed, eagerly, for the observers.
     """
 
     def observe(self, view: LayerBlock) -> None: ...
@@ -460,6 +463,9 @@ class CaptureSession:
             and not any(_wants(o, call.layer_idx) for o in self.observers)
         ):
             return self._unobserved(call)
+        wanted = self._wanted_rows(call)
+        if wanted is not None:
+            return self._observed_rows(call, wanted)
         blocks = call.row_blocks()
         if self.intervention is not None and len(blocks) == 1:
             # the intervention ranks tokens on this layer's probabilities: compute them once
@@ -510,8 +516,41 @@ class CaptureSession:
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
         return out.transpose(1, 2).contiguous()
 
-    def _unobserved(self, call: LayerCall) -> Tensor:
-        """A layer nobody observes or changes: the model's own sdpa kernel."""
+    def _wanted_rows(self, call: LayerCall) -> slice | None:
+        """The queries the observers of this layer need, when every one of them names its
+        rows (``query_rows``) and nothing else needs the eager path; else None."""
+        if self.intervention is not None or call.softcap is not None or not self.observers:
+            return None
+        spans = []
+        for observer in self.observers:
+            if not _wants(observer, call.layer_idx):
+                continue
+            rows_of = getattr(observer, "query_rows", None)
+            rows = None if rows_of is None else rows_of(call)
+            if rows is None:
+                return None
+            spans.append(rows)
+        if not spans:
+            return None
+        start, stop = min(r.start for r in spans), max(r.stop for r in spans)
+        return slice(max(0, start), min(call.q_len, stop))
+
+    def _observed_rows(self, call: LayerCall, wanted: slice) -> Tensor:
+        """The layer on sdpa; the observers see eager probabilities of ``wanted`` only."""
+        out = self._sdpa(call)
+        step = max(1, rows_per_block(call.batch * call.num_heads, call.k_len, self.block_bytes))
+        for start in range(wanted.start, wanted.stop, step):
+            rows = slice(start, min(wanted.stop, start + step))
+            shown = LayerBlock(call, rows, call.probs(rows))
+            try:
+                for observer in self.observers:
+                    if _wants(observer, call.layer_idx):
+                        observer.observe(shown)
+            finally:
+                shown.close()
+        return out
+
+    def _sdpa(self, call: LayerCall) -> Tensor:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         out, _ = sdpa_attention_forward(
@@ -523,6 +562,11 @@ class CaptureSession:
             dropout=0.0,
             scaling=call.scaling,
         )
+        return out
+
+    def _unobserved(self, call: LayerCall) -> Tensor:
+        """A layer nobody observes or changes: the model's own sdpa kernel."""
+        out = self._sdpa(call)
         for observer in self.observers:
             skipped = getattr(observer, "skipped", None)
             if skipped is not None:

@@ -6,6 +6,11 @@ the cache the model filled together with one :class:`~.methods.LayerStats` per
 compressible layer. Every method in :mod:`.methods` is then a cheap function of those
 statistics, so one prefill serves all methods and ratios.
 
+Speed. When no chosen method needs every query's attention (H2O, VATP and observed
+attention do; SnapKV, TOVA, the window methods, contribution, key norm and StreamingLLM do
+not), the observer names the window's queries (``query_rows``): every layer then runs on
+the model's own sdpa kernel, and only the window's probabilities are computed eagerly.
+
 Memory. Capture shows the observer the attention probabilities block by block (query
 rows, see :mod:`~contribution_weights.capture`). The observer keeps, per layer, only
 ``(B, H, T)`` running sums (accumulated attention) and, for the rows of the last
@@ -28,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..capture import LayerBlock, capturing, check_all_layers_seen
+from ..capture import LayerBlock, LayerCall, capturing, check_all_layers_seen
 from ..loading import LoadedModel
 from ..measures.layer import contribution as contribution_weights
 from .methods import (
@@ -78,6 +83,15 @@ class StatsObserver:
             raise ValueError(f"unknown statistics {sorted(unknown)}; known: {STATISTICS}")
         self.windows = sorted({w for w in windows if 0 < w < window})
         self.partial: dict[int, _Partial] = {}
+
+    def query_rows(self, call: LayerCall) -> slice | None:
+        """Only the window's queries, unless a method needs every query's attention
+        (``attn_sum``): then the layer runs on sdpa and only the window is eager."""
+        if "attn_sum" in self.needs:
+            return None
+        # no window statistic: one row, to record the layer's keys and values
+        window = min(self.window, call.q_len) if self.reads_window else 1
+        return slice(call.q_len - window, call.q_len)
 
     @property
     def reads_window(self) -> bool:
