@@ -48,10 +48,31 @@ def test_a_layer_index_past_the_trace_names_positions_and_model_layers(last_laye
     assert "1 traced layers, positions 0..0" in message
     assert "model's layers 1" in message  # positions vs model layer indices
     assert "model layer 1 is trace['attention'][0]" in message  # the fix
-    with pytest.raises(IndexError, match=r"model layer 5 was not traced; trace it with layers="):
-        last_layer_trace["attention"][5]
+    with pytest.raises(IndexError, match=r"the model has 2 layers, 0\.\.1: it has no layer 5"):
+        last_layer_trace["attention"][5]  # past the model: not worth tracing
     with pytest.raises(IndexError, match=r"positions 0\.\.0, or -1\.\.-1 from the end"):
         last_layer_trace["attention"][-2]
+
+
+def test_a_layer_index_suggests_tracing_only_layers_the_model_has():
+    lm = tiny_model("llama")  # 2 layers
+    first = cw.trace(lm, TEXT, measures=["attention"], layers=[0])
+    with pytest.raises(IndexError, match=r"model layer 1 was not traced; trace it with layers="):
+        first["attention"][1]
+    whole = cw.trace(lm, TEXT, measures=["attention"])
+    assert whole.meta["num_layers"] == 2
+    for trace in (first, whole):
+        with pytest.raises(IndexError) as err:
+            trace["attention"][2, 0]
+        message = str(err.value)
+        assert "the model has 2 layers, 0..1: it has no layer 2 to trace" in message
+        assert "was not traced" not in message and "layers=[" not in message
+    # without the model's layer count (maps made elsewhere) the advice stays
+    made = cw.Trace.from_tensors(
+        {"attention": whole["attention"].tensor()}, whole.input_ids, whole.tokens, [0, 1]
+    )
+    with pytest.raises(IndexError, match=r"model layer 2 was not traced; trace it with layers="):
+        made["attention"][2]
 
 
 def test_a_head_index_past_the_model_names_the_heads(last_layer_trace):
@@ -138,6 +159,53 @@ def test_a_bar_in_a_log_writes_a_line_at_most_every_interval():
             b.update()
     lines = log.getvalue().splitlines()  # (splits at carriage returns too)
     assert len(lines) == 2, lines  # the start and the end, not one per update
+
+
+class _Clock:
+    """tqdm's clock, moved by hand (from the real time, which tqdm's monitor also reads)."""
+
+    def __init__(self) -> None:
+        import time
+
+        self.t = time.time()
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _log_of_a_step(monkeypatch, seconds: int, *, step: float = 1.0) -> list[str]:
+    """The lines a bar writes to a log over a step of ``seconds`` (default delay, interval)."""
+    import tqdm.std
+
+    clock = _Clock()
+    monkeypatch.setattr(tqdm.std, "time", clock)
+    monkeypatch.setattr(tqdm.std.tqdm, "monitor_interval", 0)
+    log = io.StringIO()
+    units = round(seconds / step)
+    with bar(total=units, desc="trace", file=log, leave=False) as b:  # as a trace's bar
+        for _ in range(units):
+            clock.t += step
+            b.update()
+    text = log.getvalue()
+    assert "\r" not in text and (not text or text.endswith("\n"))
+    return text.splitlines()
+
+
+def test_a_bar_in_a_log_shows_a_step_shorter_than_the_interval(monkeypatch):
+    lines = _log_of_a_step(monkeypatch, 18)  # over the delay (2 s), under LOG_INTERVAL (30 s)
+    assert len(lines) == 2, lines  # once the delay has passed, and the end
+    assert lines[0].startswith("trace:  11%") and "00:02<" in lines[0]
+    assert lines[1].startswith("trace: 100%") and "18/18 [00:18<" in lines[1]
+
+
+def test_a_bar_in_a_log_stays_quiet_for_a_quick_step(monkeypatch):
+    assert _log_of_a_step(monkeypatch, 1, step=0.25) == []  # under the delay: no line
+
+
+def test_a_bar_in_a_log_of_a_long_step_writes_a_line_every_interval(monkeypatch):
+    lines = _log_of_a_step(monkeypatch, 100)
+    elapsed = [line.split("[")[1].split("<")[0] for line in lines]
+    assert elapsed == ["00:02", "00:32", "01:02", "01:32", "01:40"], lines
 
 
 def test_a_bar_on_a_terminal_still_redraws_in_place():

@@ -118,6 +118,12 @@ def test_measures_lists_registry(capsys):
     printed = capsys.readouterr().out
     for name in cw.measure_names():
         assert name in printed
+    # the columns are as wide as their longest entry: every description starts in line
+    table = printed.split("\n\n")[0].splitlines()
+    start = table[0].index("description")
+    for line, name in zip(table[1:], cw.measure_names(), strict=True):
+        description = cw.get_measure(name).description
+        assert line.index(description) == start, line
 
 
 @pytest.mark.slow

@@ -202,3 +202,44 @@ def test_an_experiment_registered_from_outside_gets_its_command(tmp_path, capsys
     finally:
         EXPERIMENTS.unregister("lengths")
         figures._FIGURES.pop(result_type, None)
+
+
+def test_loading_a_trace_of_an_unregistered_measure_says_to_register_it(tmp_path):
+    """A trace of a measure registered in another process: loading it names the measure
+    and the fix, instead of failing later on "unknown measure" in summary() or a report."""
+    from contribution_weights.tracing.storage import TraceFileError
+
+    measure = cw.register_measure(
+        cw.Measure(
+            "vw2",
+            lambda lt: lt.masked_(lt.probs * 2.0),
+            "2α (a test measure)",
+            normalise=lambda w: w / w.sum(dim=(-3, -1), keepdim=True).clamp_min(1e-30),
+        )
+    )
+    try:
+        folder = tmp_path / "trace"
+        cw.trace(tiny_model("llama"), TEXT, measures=["attention", "vw2"], out=folder)
+        assert "vw2" in cw.Trace.load(folder).summary().index  # registered: loads
+    finally:
+        MEASURES.unregister("vw2")
+    with pytest.raises(TraceFileError) as err:
+        cw.Trace.load(folder)
+    message = str(err.value)
+    assert "holds the measure 'vw2', which is not registered in this process" in message
+    assert "cw.register_measure" in message and "before loading" in message
+    assert "'attention'" not in message  # only the missing ones are named
+    cw.register_measure(measure)  # registered again (as the tracing process did): it loads
+    try:
+        assert "vw2" in cw.Trace.load(folder).summary().index
+    finally:
+        MEASURES.unregister("vw2")
+
+
+def test_the_pieces_of_a_measure_are_exported_with_it():
+    """``cw.measures.RowScaled`` and the rest, beside ``cw.Measure``, for a new measure."""
+    from contribution_weights.measures import registry
+
+    for name in ("Recipe", "RowScaled", "AbsoluteOf", "RankOne", "Style", "MEASURES"):
+        assert getattr(cw.measures, name) is getattr(registry, name), name
+        assert name in cw.measures.__all__

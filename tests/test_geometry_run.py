@@ -392,4 +392,10 @@ def test_one_text_warns_when_sink_scaling_needs_standard_errors(tmp_path, monkey
     capsys.readouterr()
     assert main(["geometry", "--file", str(f), "--sink-layers", "1", "--gammas", "1,0",
                  "--out", str(tmp_path / "o")]) == 0  # fmt: skip
-    assert "cw geometry: warning: only 1 text:" in capsys.readouterr().err
+    printed = capsys.readouterr()
+    assert "cw geometry: warning: only 1 text:" in printed.err
+    # the last line names every file written, figures and run files included
+    files = sorted(p.name for p in (tmp_path / "o").iterdir() if p.is_file())
+    assert {"config.json", "tables.json", "tables.md", "per_layer.csv"} <= set(files)
+    assert any(name.endswith(".png") for name in files)
+    assert printed.out.splitlines()[-1] == f"wrote {tmp_path / 'o'}/{', '.join(files)}"

@@ -7,8 +7,10 @@ falling back to the text bar instead of tqdm's "IProgress not found" warning.
 
 Where the stream is not a terminal (a log file, a pipe, ``2>&1`` into ``tee``), a bar
 redrawn with carriage returns would pile up on one line and glue onto whatever is printed
-next; there it writes a full line instead, at most every :data:`LOG_INTERVAL` seconds, and
-a last one, newline-ended, when it closes. :func:`status` writes whole lines too.
+next; there it writes whole lines instead, each ending in a newline: the first once the
+step has run ``delay`` seconds (as on a terminal), then at most one every
+:data:`LOG_INTERVAL` seconds, and a last one when it closes (only if a line was shown
+before, so quick steps stay quiet). :func:`status` writes whole lines too.
 
 Importing this module (the package does so first) also silences that warning where
 others raise it: transformers, huggingface_hub and ``tqdm.auto`` itself warn on import in
@@ -107,19 +109,54 @@ def is_terminal(file: Any) -> bool:
 def bar(iterable: Any = None, *, delay: float = DEFAULT_DELAY, **kwargs: Any) -> Any:
     """A tqdm bar (``iterable`` and keyword arguments as for ``tqdm``) shown after ``delay`` s.
 
-    To a stream that is not a terminal (nor a notebook) it writes whole lines: the first
-    after ``delay`` seconds, then at most one every :data:`LOG_INTERVAL` seconds, and the
-    final state when it closes (kept even with ``leave=False``: a log cannot erase it).
+    To a stream that is not a terminal (nor a notebook) it writes whole lines, each ending
+    in a newline: the first once the step has run ``delay`` seconds, then at most one every
+    :data:`LOG_INTERVAL` seconds, and the final state when it closes if a line was shown
+    before (kept even with ``leave=False``: a log cannot erase it).
     """
     kwargs.setdefault("dynamic_ncols", True)
-    cls = _tqdm_class()
     file = kwargs.get("file") or sys.stderr
     if file is not None and not is_terminal(file) and not _in_notebook():
         kwargs["file"] = LineWriter(file)
-        kwargs.setdefault("mininterval", LOG_INTERVAL)
-        kwargs["maxinterval"] = max(kwargs.get("maxinterval", 0), kwargs["mininterval"])
         kwargs["leave"] = True
-    return cls(iterable, delay=delay, **kwargs)
+        return _log_bar_class()(iterable, delay=delay, **kwargs)
+    return _tqdm_class()(iterable, delay=delay, **kwargs)
+
+
+_LOG_BAR: Any = None
+
+
+def _log_bar_class() -> Any:
+    """tqdm for a log: it redraws as often as on a terminal (so the first line comes once
+    ``delay`` has passed), but shows at most one line every :data:`LOG_INTERVAL` seconds,
+    save the last when it closes; clearing the bar (``leave=False``) writes nothing."""
+    global _LOG_BAR
+    if _LOG_BAR is not None:
+        return _LOG_BAR
+    from tqdm.std import tqdm
+
+    class LogBar(tqdm):
+        _shown_at: float | None = None  # when the last line was written
+        _closing = False
+
+        def display(self, msg: str | None = None, pos: int | None = None) -> bool:
+            if msg == "":  # a clear: a log cannot erase a line
+                return True
+            now = self._time()
+            shown = self._shown_at
+            if self._closing and shown is None:  # never shown: a quick step stays quiet
+                return True
+            if not self._closing and shown is not None and now - shown < LOG_INTERVAL:
+                return True
+            self._shown_at = now
+            return bool(super().display(msg, pos))
+
+        def close(self) -> None:
+            self._closing = True
+            super().close()
+
+    _LOG_BAR = LogBar
+    return LogBar
 
 
 @contextmanager

@@ -63,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     title = f"{model.name} on {source} ({result.sequences} texts, ≤{options.max_tokens} tokens)"
     md = write_markdown(result, args.out / "tables.md", title)
-    figures = write_figures(result, args.out, title=model.name)
+    write_figures(result, args.out, title=model.name)
     print(md)
-    print(f"wrote {args.out}/tables.json, tables.md, per_layer.csv and {len(figures)} figures")
+    written = sorted(p.name for p in Path(args.out).iterdir() if p.is_file())
+    print(f"wrote {args.out}/{', '.join(written)}")
     return 0

@@ -13,12 +13,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..measures.registry import get_measure, measure_names
 
-    print(f"{'measure':14s} {'kind':9s} {'in all':6s} {'how a trace gets it':28s} description")
+    header = ("measure", "kind", "in all", "how a trace gets it", "description")
+    rows = []
     for name in measure_names():
         m = get_measure(name)
         kind = "weight" if m.is_weight else "component"
-        in_all = "yes" if m.in_all else "no"
-        print(f"{name:14s} {kind:9s} {in_all:6s} {m.how:28s} {m.description}")
+        rows.append((name, kind, "yes" if m.in_all else "no", m.how, m.description))
+    # every column but the last as wide as its longest entry, so descriptions line up
+    widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header) - 1)]
+    for row in (header, *rows):
+        print(" ".join([*(cell.ljust(w) for cell, w in zip(row, widths, strict=False)), row[-1]]))
     print(
         "\n'all' (the default) is every measure marked 'yes'. distance costs T²·d per head and "
         "layer and is computed only when named; ihc is |contribution|.\nDerived measures are "

@@ -3,7 +3,13 @@
 from .aggregates import entropy, first_token_weight, normalised, token_scores
 from .layer import LayerTensors, safe_div, split_output_weight
 from .registry import (
+    MEASURES,
+    AbsoluteOf,
     Measure,
+    RankOne,
+    Recipe,
+    RowScaled,
+    Style,
     compute_measures,
     get_measure,
     measure_names,
@@ -12,8 +18,14 @@ from .registry import (
 )
 
 __all__ = [
+    "MEASURES",
+    "AbsoluteOf",
     "LayerTensors",
     "Measure",
+    "RankOne",
+    "Recipe",
+    "RowScaled",
+    "Style",
     "compute_measures",
     "entropy",
     "first_token_weight",

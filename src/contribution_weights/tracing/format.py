@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from ..measures.reductions import MeasureReductions
+from ..measures.registry import MEASURES
 from .storage import LegacyMaps, MapStore, PackedMaps, TraceFileError, save_tensors, storage_dtype
 
 FORMAT = 2
@@ -146,6 +147,23 @@ def _read_tensors(path: Path) -> dict[str, Tensor]:
         ) from None
 
 
+def _check_registered(folder: Path, measures: list[str]) -> None:
+    """Every measure of the trace must be registered here to be read (summaries, derived
+    maps and figures look it up): one registered in the process that traced it with
+    ``cw.register_measure`` must be registered again before the folder loads."""
+    missing = [name for name in measures if name not in MEASURES]
+    if missing:
+        names = ", ".join(repr(name) for name in missing)
+        one = len(missing) == 1
+        raise TraceFileError(
+            f"the trace in {folder} holds the measure{'' if one else 's'} {names}, "
+            f"{'which is' if one else 'which are'} not registered in this process "
+            f"(registered: {', '.join(MEASURES.names())}); register "
+            f"{'it' if one else 'them'} as the process that traced it did, with "
+            "cw.register_measure(cw.Measure(...)), before loading the trace"
+        )
+
+
 def read_folder(folder: Path) -> dict[str, Any]:
     """The pieces of the trace in ``folder`` (the arguments of ``Trace``), maps opened lazily."""
     if not folder.is_dir():
@@ -159,6 +177,7 @@ def read_folder(folder: Path) -> dict[str, Any]:
         raise TraceFileError(f"{folder / 'tokens.json'} has no 'tokens' list")
     if not isinstance(meta, dict) or "layers" not in meta or "measures" not in meta:
         raise TraceFileError(f"{folder / 'meta.json'} lacks 'layers' or 'measures'")
+    _check_registered(folder, list(meta["measures"]))
     if meta.get("format", 1) >= 2:
         vectors = _read_tensors(folder / "vectors.safetensors")
         maps: MapStore | None = None

@@ -109,11 +109,17 @@ class MeasureMap:
             if index in layers:
                 pos = layers.index(index)
                 return msg + f": model layer {index} is {where}[{pos}]"
+            if index < 0:
+                return msg
+            count = getattr(self.trace, "meta", {}).get("num_layers")
+            if isinstance(count, int) and index >= count:
+                return msg + (
+                    f" (the model has {count} layers, 0..{count - 1}: "
+                    f"it has no layer {index} to trace)"
+                )
             return msg + (
                 f" (model layer {index} was not traced; trace it with layers=[..., {index}], "
                 f"CLI --layers)"
-                if index >= 0
-                else ""
             )
         if dim == 1:
             return (
