@@ -32,11 +32,13 @@ from .options import (  # the options are light: the CLI reads them before torch
     as_floats,
     split_names,
 )
+from .paired import OUTCOMES, REFERENCE, mcnemar_table
 from .result import SUMMARY as SUMMARY  # re-exported: the summary file
-from .result import RowsResult, typed_frame
+from .result import RowsResult, typed_frame, write_csv
 from .runner import Experiment, Phase, SkipUnit, run_experiment
 
 PER_ITEM = "per_item.csv"
+PAIRED = "summary_paired.csv"  # the reference against every other ranking (.paired)
 SUMMARY_COLUMNS = [
     "task", "measure", "rate", "n", "accuracy", "clean_accuracy",
     "accuracy_lo", "accuracy_hi", "clean_lo", "clean_hi", "chance", "p_vs_clean", "p_vs_chance",
@@ -188,6 +190,28 @@ class DownstreamResult(RowsResult):
 
     def summarise_rows(self) -> pd.DataFrame:
         return summarise(self.rows, str(self.config.get("task", "task")))
+
+    def paired(
+        self, reference: str = REFERENCE, outcomes: Sequence[str] = tuple(OUTCOMES)
+    ) -> pd.DataFrame:
+        """Exact McNemar tests of the reference against every other ranking per rate, for
+        each outcome (``correct``: accuracy; ``changed``: answers changed from clean),
+        Holm-corrected per outcome over rates × others (:func:`.paired.mcnemar_table`)."""
+        task = str(self.config.get("task", "task"))
+        tables = [mcnemar_table(self.rows, reference, o) for o in outcomes]
+        table = pd.concat([t for t in tables if not t.empty] or tables[:1])
+        table.insert(0, "task", task)
+        return table.reset_index(drop=True)
+
+    def write_statistics(self, folder: str | Path) -> None:
+        """Write ``summary_paired.csv`` into ``folder`` when the reference (IHC) was run
+        (nothing else is touched)."""
+        if not self.rows.empty and REFERENCE in set(self.rows["measure"]):
+            write_csv(Path(folder) / PAIRED, self.paired())
+
+    def write_summary(self, folder: Path) -> None:
+        super().write_summary(folder)
+        self.write_statistics(folder)
 
     @classmethod
     def frame(cls, rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:

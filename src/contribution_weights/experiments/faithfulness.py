@@ -38,11 +38,14 @@ from .options import (  # the options are light: the CLI reads them before torch
     as_floats,
     split_names,
 )
+from .paired import METRIC, REFERENCE, paired_differences, ranking_table
 from .result import SUMMARY as SUMMARY  # re-exported: the summary file
-from .result import RowsResult, typed_frame, warn_few_samples
+from .result import RowsResult, typed_frame, warn_few_samples, write_csv
 from .runner import Experiment, Phase, SkipUnit, run_experiment
 
 PER_SEQUENCE = "per_sequence.csv"
+PAIRED = "summary_paired.csv"  # the reference against every other ranking (.paired)
+RANKINGS = "summary_rankings.csv"  # every ranking, its wins over the others (.rankings)
 SUMMARY_COLUMNS = [
     "measure",
     "mode",
@@ -134,6 +137,28 @@ class FaithfulnessResult(RowsResult):
 
     def summarise_rows(self) -> pd.DataFrame:
         return summarise(self.rows)
+
+    def paired(self, reference: str = REFERENCE, metric: str = METRIC) -> pd.DataFrame:
+        """Paired differences reference − other per (mode, rate, other ranking): n, mean,
+        s.e., bootstrap 95% interval, p, Holm-corrected p and verdict (:mod:`.paired`)."""
+        return paired_differences(self.rows, reference, metric)
+
+    def rankings(self, metric: str = METRIC) -> pd.DataFrame:
+        """Per (mode, rate, ranking): n, mean, s.e. and wins/losses/ties against every
+        other ranking by the paired verdicts (:func:`.paired.ranking_table`)."""
+        return ranking_table(self.rows, metric)
+
+    def write_statistics(self, folder: str | Path) -> None:
+        """Write ``summary_rankings.csv`` and, when the reference (IHC) was run,
+        ``summary_paired.csv`` into ``folder`` (nothing else is touched)."""
+        folder = Path(folder)
+        write_csv(folder / RANKINGS, self.rankings())
+        if not self.rows.empty and REFERENCE in set(self.rows["measure"]):
+            write_csv(folder / PAIRED, self.paired())
+
+    def write_summary(self, folder: Path) -> None:
+        super().write_summary(folder)
+        self.write_statistics(folder)
 
     @classmethod
     def frame(cls, rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
