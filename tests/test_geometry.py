@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from reference import (
@@ -36,8 +37,19 @@ from contribution_weights.experiments.geometry.analyses.semantic_cone import (
     SemanticCone,
     cone_geometry,
 )
-from contribution_weights.experiments.geometry.analyses.sink_alignment import alignment
-from contribution_weights.experiments.stats import BlockView
+from contribution_weights.experiments.geometry.analyses.sink_alignment import (
+    SinkAlignment,
+    alignment,
+    null_table,
+    token_alignment,
+)
+from contribution_weights.experiments.geometry.analyses.sink_scaling import sink_scaling_nll
+from contribution_weights.experiments.stats import (
+    BlockView,
+    control_token,
+    permutation_summary,
+    random_tokens,
+)
 from contribution_weights.measures.layer import LayerTensors
 
 TEXTS = ["The cat sat on the mat.", "A second, longer text for the geometry!", "xyz 123 abc q"]
@@ -235,36 +247,66 @@ def test_semantic_cone(setup):
     assert got["all_inside_without_sink"] == pytest.approx(counts[5] / counts[3], abs=0.02)
 
 
+def _hooked_nll(lm, ids, layers, gamma, position=0):
+    """Mean NLL with v_position × γ by a plain forward hook on v_proj (eager attention)."""
+    attn = [m for n, m in lm.model.named_modules() if n.endswith("self_attn")]
+
+    def scale(_m, _i, out, p=position, g=gamma):
+        return torch.cat([out[:, :p], out[:, p : p + 1] * g, out[:, p + 1 :]], 1)
+
+    handles = [attn[i].v_proj.register_forward_hook(scale) for i in layers]
+    try:
+        previous = lm.model.config._attn_implementation
+        lm.model.set_attn_implementation("eager")
+        with torch.no_grad():
+            logits = lm.model(input_ids=ids[None], use_cache=False).logits[0].double()
+    finally:
+        for handle in handles:
+            handle.remove()
+        lm.model.set_attn_implementation(previous)
+    logp = torch.log_softmax(logits[:-1], -1)
+    return float(-logp[torch.arange(ids.numel() - 1), ids[1:]].mean())
+
+
 def test_sink_scaling_matches_value_hook(setup):
-    """γ v_0 via a plain forward hook on v_proj (eager attention) gives the same NLL."""
+    """γ v_0 via a plain forward hook on v_proj (eager attention) gives the same NLL; so
+    does the control: γ v_c at each text's control token c in the same layers."""
     lm, res, _, opts = setup
     layers = [0, lm.num_layers - 1]
     assert res.sink_scaling.layers == layers
-    attn = [m for n, m in lm.model.named_modules() if n.endswith("self_attn")]
+    texts = encode_texts(lm, TEXTS, None)
+    controls = [control_token(ids.numel(), opts.seed, i) for i, ids in enumerate(texts)]
+    assert all(
+        c is not None and 1 <= c <= ids.numel() - 2 for c, ids in zip(controls, texts, strict=True)
+    )
+    runs = ((res.sink_scaling.table, [0] * len(texts)), (res.sink_scaling.control, controls))
     for k, gamma in enumerate(opts.gammas):
-        nll = []
-        for ids in encode_texts(lm, TEXTS, None):
-            handles = [
-                attn[i].v_proj.register_forward_hook(
-                    lambda _m, _i, out, g=gamma: torch.cat([out[:, :1] * g, out[:, 1:]], 1)
-                )
-                for i in layers
+        for table, positions in runs:
+            nll = [
+                _hooked_nll(lm, x, layers, gamma, p) for x, p in zip(texts, positions, strict=True)
             ]
-            try:
-                previous = lm.model.config._attn_implementation
-                lm.model.set_attn_implementation("eager")
-                with torch.no_grad():
-                    logits = lm.model(input_ids=ids[None], use_cache=False).logits[0].double()
-            finally:
-                for handle in handles:
-                    handle.remove()
-                lm.model.set_attn_implementation(previous)
-            logp = torch.log_softmax(logits[:-1], -1)
-            nll.append(float(-logp[torch.arange(ids.numel() - 1), ids[1:]].mean()))
-        assert res.sink_scaling.table["nll_mean"][k] == pytest.approx(np.mean(nll), rel=1e-4)
-        assert res.sink_scaling.table["ppl_mean"][k] == pytest.approx(
-            np.mean(np.exp(nll)), rel=1e-4
-        )
+            assert table["nll_mean"][k] == pytest.approx(np.mean(nll), rel=1e-4)
+            assert table["ppl_mean"][k] == pytest.approx(np.mean(np.exp(nll)), rel=1e-4)
+    # γ = 1: the control's row is the clean pass, as the sink's
+    clean = res.sink_scaling.table.set_index("gamma").loc[1.0]
+    pd_control = res.sink_scaling.control.set_index("gamma").loc[1.0]
+    assert pd_control["ppl_mean"] == clean["ppl_mean"] and pd_control["n"] == clean["n"]
+
+
+def test_control_scaling_at_gamma_one_is_the_clean_perplexity():
+    """sink_scaling_nll with a control token: at γ = 1 both the sink's and the control's
+    NLL are a plain forward pass's; at γ = 0 the control's is the hooked one's at c."""
+    lm = tiny_model("llama")
+    ids = encode_texts(lm, TEXTS[1:2], None)[0]
+    layers = list(range(lm.num_layers))
+    clean = _hooked_nll(lm, ids, [], 1.0)
+    got = sink_scaling_nll(lm, ids, [1.0, 0.0], layers, control=3)
+    assert got[0] == pytest.approx(clean, rel=1e-5) and got[2] == pytest.approx(clean, rel=1e-5)
+    assert got[1] == pytest.approx(_hooked_nll(lm, ids, layers, 0.0, 0), rel=1e-4)
+    assert got[3] == pytest.approx(_hooked_nll(lm, ids, layers, 0.0, 3), rel=1e-4)
+    assert got[3] != got[1]  # another token: another curve
+    with pytest.raises(ValueError, match="outside the sequence"):
+        sink_scaling_nll(lm, ids, [1.0], layers, control=ids.numel())
 
 
 def test_streaming_state_round_trip_equals_one_pass():
@@ -457,3 +499,159 @@ def test_statistics_do_not_depend_on_query_blocks(monkeypatch):
         )
     # float32 scores differ in the last bit between block shapes (GEMM tiling)
     np.testing.assert_allclose(blocks.correlations, whole.correlations, rtol=1e-5)
+
+
+# ---- null controls ----------------------------------------------------------------------------
+def test_control_and_random_tokens_are_seeded_non_sink_positions():
+    draws = random_tokens(10, 500, seed=3, unit=7, stream=1)
+    assert draws.min() == 1 and draws.max() == 9  # never the sink, every other token
+    np.testing.assert_array_equal(draws, random_tokens(10, 500, seed=3, unit=7, stream=1))
+    assert not np.array_equal(draws, random_tokens(10, 500, seed=3, unit=8, stream=1))
+    assert not np.array_equal(draws, random_tokens(10, 500, seed=4, unit=7, stream=1))
+    assert len(random_tokens(1, 5, 0, 0, 1)) == 0
+    controls = {control_token(10, seed, unit) for seed in range(5) for unit in range(40)}
+    assert controls == set(range(1, 9))  # never the sink nor the last token
+    assert control_token(2, 0, 0) == 1 and control_token(1, 0, 0) is None
+
+
+def test_permutation_summary_known_answers():
+    draws = np.array([1.0, 2.0, 3.0, 4.0, np.nan])  # NaN draws are left out
+    got = permutation_summary(2.5, draws, "less")
+    assert got["null_mean"] == 2.5 and got["null_sd"] == pytest.approx(np.std([1, 2, 3, 4], ddof=1))
+    assert got["p_value"] == pytest.approx(3 / 5)  # (1 + #{1, 2}) / (1 + 4)
+    assert permutation_summary(0.0, draws, "less")["p_value"] == pytest.approx(1 / 5)
+    assert permutation_summary(0.0, draws, "greater")["p_value"] == 1.0
+    assert math.isnan(permutation_summary(float("nan"), draws)["p_value"])
+    assert math.isnan(permutation_summary(1.0, np.array([]))["null_mean"])
+    with pytest.raises(ValueError, match="alternative"):
+        permutation_summary(1.0, draws, "two-sided")
+
+
+def test_alignment_null_of_token_zero_is_the_statistic():
+    gen = torch.Generator().manual_seed(1)
+    values = torch.randn(3, 9, 4, generator=gen, dtype=torch.float64)
+    values[1, 4] = 0  # a zero vector counts as cosine 0
+    sink_tail, _ = alignment(values)
+    got = token_alignment(values, torch.tensor([0, 4, 7]))
+    torch.testing.assert_close(got[:, 0], sink_tail)
+    unit = values / values.norm(dim=-1, keepdim=True).clamp_min(1e-30)
+    for k, c in enumerate((4, 7)):  # mean over j ≠ c of cos(ṽ_c, ṽ_j), j = 0 included
+        others = [j for j in range(9) if j != c]
+        want = (unit[:, others] @ unit[:, c, :, None]).squeeze(-1).mean(-1)
+        torch.testing.assert_close(got[:, k + 1], want)
+
+
+def test_alignment_null_p_value_is_uniform_on_noise():
+    """Values that are pure noise make token 0 exchangeable with the others: over many
+    replicates the p-value of the sink/tail cosine is uniform (Kolmogorov–Smirnov)."""
+    gen = torch.Generator().manual_seed(0)
+    t = 8
+    probs = _probs(torch.full((t,), 0.3), t)
+    p_values = []
+    for replicate in range(200):
+        stat = SinkAlignment(1, seed=replicate, draws=99)
+        for unit in range(3):
+            stat.begin(t, unit)
+            stat.observe(_layer(torch.randn(t, 3, generator=gen), probs))
+            stat.end()
+        draws = stat.null_draws()
+        assert draws is not None
+        by_layer = pd.DataFrame(stat.by_layer(), columns=["sink_tail", "tail_tail"])
+        p_values.append(null_table(by_layer, draws).loc["mean", "p_value"])
+    p = np.sort(p_values)
+    ks = np.max(np.abs(p - np.arange(1, len(p) + 1) / len(p)))
+    assert ks < 0.12, ks  # the 1% critical value for 200 draws is 0.115
+    assert 0.02 <= np.mean(p <= 0.1) <= 0.2
+
+
+def test_alignment_null_finds_a_sink_opposite_the_tail():
+    """The hand-built sink opposite the tail: every random token is aligned with the tail,
+    so the sink's cosine is below every draw and p = 1/(draws + 1)."""
+    t = 12
+    gen = torch.Generator().manual_seed(2)
+    tail = torch.tensor([1.0, 0.0]) + 0.05 * torch.randn(t - 1, 2, generator=gen)
+    values = torch.cat([torch.tensor([[-0.5, 0.0]]), tail])
+    stat = SinkAlignment(1, seed=0, draws=49)
+    stat.begin(t, 0)
+    stat.observe(_layer(values, _probs(torch.linspace(0, 1, t), t)))
+    stat.end()
+    table = null_table(pd.DataFrame(stat.by_layer(), columns=["sink_tail", "tail_tail"]),
+                       stat.null_draws())  # fmt: skip
+    assert table.loc["mean", "p_value"] == pytest.approx(1 / 50)
+    assert table.loc["mean", "null_mean"] > 0.5 > table.loc["mean", "sink_tail"]
+
+
+def test_norm_fit_null_of_token_zero_is_the_fit():
+    """The null with its control token set to 0 is the sink's fit, on a real model."""
+
+    class AtTheSink(NormFit):
+        def token_for(self, num_tokens, unit):
+            return 0
+
+    lm = tiny_model("llama")
+    real, null = NormFit(lm.num_layers, lm.num_heads), AtTheSink(lm.num_layers, lm.num_heads,
+                                                                control_seed=0)  # fmt: skip
+    acc = GeometryAccumulator(lm.num_layers, lm.num_heads, [], GeometryOptions(max_tokens=None))
+    acc.stats = {"real": real, "null": null}
+    for unit, ids in enumerate(encode_texts(lm, TEXTS, None)):
+        acc.add_sequence(lm, ids, unit)
+    assert null.points == [] and real.fit() == null.fit()
+
+
+def test_norm_fit_null_known_answer_at_the_control_token():
+    """Every value m but the control token's s: ‖o‖² = α²‖s‖² + 2α(1−α)⟨s, m⟩ + (1−α)²‖m‖²
+    exactly in α = α_ic, so the null fits γ' = ⟨s, m⟩ and κ'² = ‖m‖² with R² = 1."""
+    t, seed = 12, 5
+    c = control_token(t, seed, 0)
+    m, s = torch.tensor([1.0, 0.5]), torch.tensor([-0.5, 0.25])
+    values = m.expand(t, 2).clone()
+    values[c] = s
+    probs = torch.zeros(t, t, dtype=torch.float64)  # α_ic varies over the queries i ≥ c
+    for i in range(t):
+        probs[i, : i + 1] = 1.0 / (i + 1)
+        if i >= c:
+            probs[i, c] = (i - c + 1) / t
+            probs[i, [j for j in range(i + 1) if j != c]] = (1 - probs[i, c]) / i
+    fit = NormFit(1, 1, control_seed=seed)
+    fit.begin(t, 0)
+    fit.observe(_layer(values, probs))
+    fit.end()
+    row = fit.fit()[0]
+    assert row["n"] == t - c  # the queries that can see c
+    assert row["gamma_prime"] == pytest.approx(float(s @ m))
+    assert row["kappa2"] == pytest.approx(float(m @ m)) and row["r2"] == pytest.approx(1.0)
+    assert row["v0_norm2"] == pytest.approx(float(s @ s))
+
+
+def test_cone_null_of_token_zero_is_the_statistic(monkeypatch):
+    """With every draw at token 0 the null removes the sink's value: each draw is the
+    fraction inside without the sink. With random tokens the hand-built sink (which
+    cancels the tail's direction) is the only token whose removal brings the low-norm
+    outputs in: every draw is 0 and p = 1/(draws + 1)."""
+    from contribution_weights.experiments.geometry.analyses import semantic_cone
+
+    t = 20
+    gen = torch.Generator().manual_seed(0)
+    tail = torch.stack([torch.ones(t - 1), 0.1 * torch.randn(t - 1, generator=gen)], 1)
+    values = torch.cat([torch.tensor([[-1.0, 0.5]]), tail])
+    probs = _probs(torch.linspace(0.05, 0.6, t), t)
+
+    def run():
+        cone = SemanticCone(1, 1, low_quantile=0.25, coverage=1.0, seed=0, draws=24)
+        cone.begin(t)
+        cone.observe(_layer(values, probs))
+        cone.end()
+        return cone
+
+    cone = run()
+    null = cone.null_fractions()
+    assert null is not None and (null[:, 0] == 0).all()
+    table = pd.DataFrame([cone.fractions()[0]], columns=list(semantic_cone.FRACTIONS))
+    got = semantic_cone.null_table(table, null[:1])
+    assert got.loc[0, "low_p_value"] == pytest.approx(1 / 25)
+    assert got.loc[0, "low_inside_without_sink"] == 1.0
+
+    monkeypatch.setattr(semantic_cone, "random_tokens", lambda t, k, *a: np.zeros(k, np.int64))
+    cone = run()
+    _, low_without, _, all_without = cone.fractions()[0]
+    np.testing.assert_allclose(cone.null_fractions()[0], [[low_without] * 24, [all_without] * 24])

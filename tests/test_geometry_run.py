@@ -399,3 +399,76 @@ def test_one_text_warns_when_sink_scaling_needs_standard_errors(tmp_path, monkey
     assert {"config.json", "tables.json", "tables.md", "per_layer.csv"} <= set(files)
     assert any(name.endswith(".png") for name in files)
     assert printed.out.splitlines()[-1] == f"wrote {tmp_path / 'o'}/{', '.join(files)}"
+
+
+def test_run_reports_each_null_beside_its_statistic(tmp_path):
+    """New keys only, inside the analyses' entries: the norm fit's quality and its null,
+    the alignment's and the cone's permutation nulls, the scaling's control curve (whose
+    γ = 1 row is the clean perplexity); a folder without its state loads them back."""
+    from contribution_weights.experiments.geometry import GeometryResult
+
+    lm = tiny_model("llama")
+    res = geometry_run.run_geometry(lm, TEXTS, tmp_path / "run", options=OPTS, progress=False)
+    tables = json.loads((tmp_path / "run" / "tables.json").read_text())
+    assert tuple(tables) == JSON_KEYS
+    fit = tables["norm_fit"]
+    assert {"fraction_convex", "fraction_r2_above_0.5", "median_r2"} <= set(fit["summary"])
+    assert fit["null"]["summary"]["heads"] == fit["summary"]["heads"] == len(fit["null"]["heads"])
+    assert 0 <= fit["null"]["summary"]["fraction_convex"] <= 1
+    heads = res.norm_fit_null
+    assert heads is not None and heads["n"].sum() < res.norm_fit["n"].sum()  # queries i ≥ c
+    for key, p_value in (("sink_alignment", "p_value"), ("semantic_cone", "low_p_value")):
+        null = tables[key]["null"]
+        assert len(null["by_layer"]) == lm.num_layers and 0 < null["overall"][p_value] <= 1
+        assert null["alternative"] in ("less", "greater") and "random" in null["token"]
+    scaling = tables["sink_scaling"]
+    assert [r["gamma"] for r in scaling["control"]["by_gamma"]] == list(OPTS.gammas)
+    assert scaling["control"]["by_gamma"][0] == scaling["by_gamma"][0]  # γ = 1: the clean pass
+    rows = pd.read_csv(tmp_path / "run" / "sink_scaling.csv")
+    assert list(rows.columns) == ["seq", "gamma", "nll", "scaled", "position"]
+    assert len(rows) == 2 * len(OPTS.gammas) * len(TEXTS)
+    control = rows[rows["scaled"] == "control"]
+    assert (control.groupby("seq")["position"].nunique() == 1).all()  # one token per text
+    assert (control["position"] >= 1).all() and (
+        rows[rows["scaled"] == "sink"]["position"] == 0
+    ).all()
+    md = write_markdown(res, tmp_path / "run" / "tables.md", "tiny")
+    assert md.count("Null:") == 3 and "Control: the same γ" in md
+
+    (tmp_path / "run" / "state.pt").unlink()  # a published folder keeps no state
+    loaded = GeometryResult.load(tmp_path / "run")
+    _close(loaded.to_json(), tables)
+    assert write_markdown(loaded, tmp_path / "again.md", "tiny") == md
+    assert loaded.sink_alignment_null is not None and loaded.semantic_cone_null is not None
+
+
+def test_a_state_written_before_the_nulls_loads_without_them(tmp_path):
+    """A run folder from before the nulls (no null statistics in state.pt, no control rows
+    in sink_scaling.csv) loads with its tables as they were, and no nulls: none that
+    covers only some of its texts."""
+    import torch
+
+    from contribution_weights.experiments.geometry import GeometryResult
+
+    lm = tiny_model("llama")
+    run = tmp_path / "run"
+    res = geometry_run.run_geometry(lm, TEXTS, run, options=OPTS, progress=False)
+    state = torch.load(run / "state.pt", weights_only=True)
+    del state["stats"]["norm_fit_null"]
+    for key in ("null_total", "null_count", "null_sequences"):
+        del state["stats"]["sink_alignment"][key]
+    for key in ("null_counts", "null_sequences"):
+        del state["stats"]["semantic_cone"][key]
+    torch.save(state, run / "state.pt")
+    rows = pd.read_csv(run / "sink_scaling.csv")
+    rows = rows[rows["scaled"] == "sink"].drop(columns=["scaled", "position"])
+    rows.to_csv(run / "sink_scaling.csv", index=False)
+    old = GeometryResult.load(run)
+    assert old.norm_fit_null is None and old.sink_alignment_null is None
+    assert old.semantic_cone_null is None and old.sink_scaling.control is None
+    new, before = res.to_json(), old.to_json()
+    for key in ("sink_alignment", "semantic_cone", "norm_fit"):
+        assert "null" in new[key] and "null" not in before[key]
+        assert {k: v for k, v in new[key].items() if k != "null"} == before[key]
+    assert "control" not in before["sink_scaling"]
+    assert before["sink_scaling"]["by_gamma"] == new["sink_scaling"]["by_gamma"]

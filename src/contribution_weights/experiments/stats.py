@@ -15,6 +15,11 @@ the number of sequences. Each stat round-trips through ``state_dict`` for resuma
 
 Conventions: per-sequence quantities (first-token weight, entropy, alignment, sink
 rate) are averaged per layer over sequences with equal weight, then over layers.
+
+Null controls (docs/geometry.md): the sink analyses compare token 0 with random non-sink
+tokens, drawn per sequence by :func:`random_tokens` and :func:`control_token` from the
+run's seed and the sequence's number (so a run split over processes draws what one
+process would), and summarise a permutation null with :func:`permutation_summary`.
 """
 
 from __future__ import annotations
@@ -34,6 +39,10 @@ from ..measures.registry import get_measure
 from .sampling import Reservoir
 
 WEIGHT_MEASURES = ("attention", "vw", "contribution")
+#: random tokens a permutation null draws per sequence (its resolution: p ≥ 1/(draws + 1))
+PERMUTATION_DRAWS = 200
+#: the streams of random draws: the control token, the alignment and the cone nulls
+CONTROL_STREAM, ALIGNMENT_STREAM, CONE_STREAM = 0, 1, 2
 POINT_COLUMNS = ("alpha", "r", "kappa", "c", "vnorm", "layer")
 GROUPS = ("all", "first", "tail")
 
@@ -237,3 +246,55 @@ class ComponentPoints(Stat):
         self.sequences = state["sequences"]
         self.all.load_state_dict(state["all"])
         self.first.load_state_dict(state["first"])
+
+
+# ---- null controls ---------------------------------------------------------------------------
+def _rng(seed: int, unit: int, stream: int) -> np.random.Generator:
+    return np.random.default_rng(np.random.SeedSequence([int(seed) % 2**63, int(unit), stream]))
+
+
+def random_tokens(num_tokens: int, count: int, seed: int, unit: int, stream: int) -> np.ndarray:
+    """``(count,)`` positions drawn uniformly, with replacement, from the non-sink tokens
+    1..T−1 of sequence ``unit`` (empty when T < 2), seeded by ``(seed, unit, stream)``."""
+    if num_tokens < 2:
+        return np.zeros(0, dtype=np.int64)
+    return _rng(seed, unit, stream).integers(1, num_tokens, size=count, dtype=np.int64)
+
+
+def control_token(num_tokens: int, seed: int, unit: int) -> int | None:
+    """The control token of sequence ``unit``: a non-sink position drawn uniformly from
+    1..T−2, seeded by ``(seed, unit)`` (1 when T = 2, None when T < 2).
+
+    The last token is left out: only its own query reads its value, and scaling it
+    changes no next-token prediction that is scored.
+    """
+    if num_tokens < 2:
+        return None
+    if num_tokens == 2:
+        return 1
+    return int(_rng(seed, unit, CONTROL_STREAM).integers(1, num_tokens - 1))
+
+
+def permutation_summary(
+    statistic: float, draws: np.ndarray, alternative: str = "less"
+) -> dict[str, float]:
+    """The null's mean and standard deviation over its ``draws`` (the statistic with the
+    sink replaced by random tokens), and the Monte Carlo p-value
+    ``(1 + #{draws at or below the statistic}) / (1 + K)`` (``alternative="less"``; at or
+    above for ``"greater"``). NaN draws are left out; NaN when none is left or the
+    statistic is NaN.
+    """
+    if alternative not in ("less", "greater"):
+        raise ValueError(f"alternative must be 'less' or 'greater', not {alternative!r}")
+    draws = np.asarray(draws, dtype=np.float64)
+    draws = draws[~np.isnan(draws)]
+    nan = float("nan")
+    if draws.size == 0:
+        return {"null_mean": nan, "null_sd": nan, "p_value": nan}
+    sd = float(draws.std(ddof=1)) if draws.size > 1 else nan
+    if np.isnan(statistic):
+        p = nan
+    else:
+        extreme = draws <= statistic if alternative == "less" else draws >= statistic
+        p = float((1 + extreme.sum()) / (1 + draws.size))
+    return {"null_mean": float(draws.mean()), "null_sd": sd, "p_value": p}

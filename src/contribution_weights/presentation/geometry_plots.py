@@ -44,10 +44,20 @@ def plot_first_token_weight(by_layer: pd.DataFrame, title: str = "") -> Figure:
     return fig
 
 
-def plot_sink_alignment(table: pd.DataFrame, title: str = "") -> Figure:
+def plot_sink_alignment(
+    table: pd.DataFrame, title: str = "", null: pd.DataFrame | None = None
+) -> Figure:
+    """The per-layer cosines; with ``null`` (its rows by layer), the permutation null of
+    cos(ṽ_0, ṽ_j) (a random token in place of the sink) as its mean ± sd."""
     fig, ax = plt.subplots(figsize=(6, 3.2))
     ax.plot(table.index, table["sink_tail"], marker=".", label="cos(ṽ_0, ṽ_j), j ≥ 1")
     ax.plot(table.index, table["tail_tail"], marker=".", label="cos(ṽ_i, ṽ_j), i ≠ j ≥ 1")
+    if null is not None:
+        rows = null.loc[[i for i in null.index if i != "mean"]]
+        layers = np.asarray(rows.index, dtype=float)
+        mean, sd = rows["null_mean"].to_numpy(float), rows["null_sd"].to_numpy(float)
+        ax.plot(layers, mean, color="grey", ls="--", lw=1, label="null: random token c (± sd)")
+        ax.fill_between(layers, mean - sd, mean + sd, color="grey", alpha=0.2, lw=0)
     ax.axhline(0, color="grey", lw=0.8)
     ax.set(xlabel="layer", ylabel="mean cosine", title=f"Sink / tail alignment {title}")
     ax.legend()
@@ -55,16 +65,29 @@ def plot_sink_alignment(table: pd.DataFrame, title: str = "") -> Figure:
     return fig
 
 
-def plot_sink_scaling(table: pd.DataFrame, layers: list[int], title: str = "") -> Figure:
+def plot_sink_scaling(
+    table: pd.DataFrame,
+    layers: list[int],
+    title: str = "",
+    control: pd.DataFrame | None = None,
+) -> Figure:
+    """Perplexity against γ with v_0 scaled; with ``control``, the same with a random
+    non-sink token's value scaled instead."""
     fig, ax = plt.subplots(figsize=(5, 3.2))
     ax.errorbar(
-        table["gamma"], table["ppl_mean"], yerr=table["ppl_se"].fillna(0), marker="o", capsize=3
-    )
+        table["gamma"], table["ppl_mean"], yerr=table["ppl_se"].fillna(0), marker="o",
+        capsize=3, label="sink: v_0 → γ v_0",
+    )  # fmt: skip
+    if control is not None:
+        ax.errorbar(
+            control["gamma"], control["ppl_mean"], yerr=control["ppl_se"].fillna(0),
+            marker="s", capsize=3, color="grey", ls="--", label="control: v_c → γ v_c",
+        )  # fmt: skip
+        ax.legend(fontsize=8)
     ax.invert_xaxis()
     span = f"layers {layers[0]}–{layers[-1]} ({len(layers)})" if layers else "no sink layers"
-    ax.set(
-        xlabel="γ (v_0 → γ v_0)", ylabel="perplexity", title=f"Sink-value scaling {title}\n{span}"
-    )
+    xlabel = "γ (v_0 → γ v_0)" if control is None else "γ"
+    ax.set(xlabel=xlabel, ylabel="perplexity", title=f"Sink-value scaling {title}\n{span}")
     ax.grid(alpha=0.3)
     return fig
 
@@ -231,8 +254,14 @@ def _first_token_weight(table: Any, title: str) -> Figure:
     return plot_first_token_weight(table.first_token_weight_by_layer, title)
 
 
+def _sink_alignment(table: Any, title: str) -> Figure:
+    return plot_sink_alignment(table.sink_alignment, title, table.null)
+
+
 def _sink_scaling(table: Any, title: str) -> Figure | None:
-    return None if table.skipped else plot_sink_scaling(table.table, table.layers, title)
+    if table.skipped:
+        return None
+    return plot_sink_scaling(table.table, table.layers, title, table.control)
 
 
 def _norm_fit(table: Any, title: str) -> Figure | None:
@@ -246,7 +275,7 @@ def _semantic_cone(table: Any, title: str) -> Figure | None:
 
 
 register_geometry_figure("first_token_weight", _first_token_weight)
-register_geometry_figure("sink_alignment", plot_sink_alignment)
+register_geometry_figure("sink_alignment", _sink_alignment)
 register_geometry_figure("sink_scaling", _sink_scaling)
 register_geometry_figure("norm_fit", _norm_fit)
 register_geometry_figure("semantic_cone", _semantic_cone)

@@ -45,6 +45,7 @@ class TableContext:
     scaling_nll: list[list[float]] | None = None
     scaling_skipped: str | None = None
     groups: dict[str, dict[str, np.ndarray]] | None = None  # the sampled points per group
+    control_nll: list[list[float]] | None = None  # the scaling passes' control, per sequence
 
     @property
     def layers(self) -> pd.RangeIndex:

@@ -171,9 +171,12 @@ def build_result(
     sink_layers: list[int] | None = None,
     scaling_nll: list[list[float]] | None = None,
     scaling_skipped: str | None = None,
+    control_nll: list[list[float]] | None = None,
 ) -> GeometryResult:
-    """Turn running statistics (and the sink-scaling NLLs per sequence) into tables."""
+    """Turn running statistics (and the sink-scaling NLLs per sequence, the sink's and
+    the control token's) into tables."""
     ctx = TableContext(stats, options, num_layers, sink_layers, scaling_nll, scaling_skipped)
+    ctx.control_nll = control_nll
     rate = stats["sink_rate"]
     assert isinstance(rate, SinkRate)
     res = GeometryResult(
@@ -191,6 +194,21 @@ def build_result(
     return res
 
 
+def split_scaling_rows(rows: list[dict[str, str]]) -> tuple[list[list[float]], list[list[float]]]:
+    """The NLLs per sequence (in sequence order) and γ of the ``sink_scaling.csv`` rows:
+    the sink's (``scaled`` sink, or no ``scaled``: rows written before the control), and
+    the control token's (empty unless every sequence has them)."""
+    sink: dict[int, list[float]] = {}
+    control: dict[int, list[float]] = {}
+    for row in rows:
+        kept = control if row.get("scaled") == "control" else sink
+        kept.setdefault(int(row["seq"]), []).append(float(row["nll"]))
+    complete = set(control) == set(sink)
+    return [sink[k] for k in sorted(sink)], [
+        control[k] for k in sorted(control)
+    ] if complete else []
+
+
 def _options(config: dict[str, Any]) -> GeometryOptions:
     names = [f.name for f in fields(GeometryOptions)]
     upgraded = upgraded_config(config)  # older runs' option names
@@ -204,15 +222,14 @@ def _from_state(folder: Path, config: dict[str, Any], rows: list[dict[str, str]]
     analyses = list(config["analyses"])
     stats = make_stats(analyses, int(state["num_layers"]), int(state["num_heads"]), options)
     for key, stat in stats.items():
-        stat.load_state_dict(state["stats"][key])
-    nll: dict[int, list[float]] = {}
-    for row in rows:
-        nll.setdefault(int(row["seq"]), []).append(float(row["nll"]))
+        if key in state["stats"]:  # a statistic newer than the state stays empty
+            stat.load_state_dict(state["stats"][key])
+    nll, control = split_scaling_rows(rows)
     tables = json.loads((folder / "tables.json").read_text())
     scaling = tables.get("sink_scaling") or {}
     result = build_result(
         stats, analyses, options, int(state["num_layers"]), int(state["sequences"]),
-        scaling.get("layers"), [nll[k] for k in sorted(nll)], scaling.get("skipped"),
+        scaling.get("layers"), nll, scaling.get("skipped"), control,
     )  # fmt: skip
     result.state = state
     return result

@@ -22,15 +22,15 @@ passes) and returns a :class:`~.result.GeometryResult`.
 Runs. :class:`Geometry` is the experiment the runner (:mod:`..runner`) drives, and
 :func:`run_geometry` runs it into a run folder (what ``cw geometry`` does): phase 1
 folds each sequence into the accumulator, whose state (``state.pt``) is replaced
-atomically after every sequence; phase 2, the sink-value scaling passes (which need
-the sink layers detected from all of phase 1), appends one row per (sequence, γ) to
-``sink_scaling.csv``. An interrupted run resumed with the same options continues where
-it stopped. Split over processes, each process keeps its own accumulator and the main
-process merges them (sums add, moments combine, reservoirs keep the smallest keys of
-the union, each sequence's keys seeded by its number), so N processes give the tables
-of one (to float rounding of the sums). At the end ``tables.json``, ``per_layer.csv``,
-``norm_fit.csv`` and ``meta.json`` are written; figures and Markdown are the
-presentation layer's job.
+atomically after every sequence; phase 2, the sink-value scaling passes (which need the
+sink layers detected from all of phase 1), appends one row per (sequence, γ) to
+``sink_scaling.csv`` for the sink and one for the control token. An interrupted run
+resumed with the same options continues where it stopped. Split over processes, each
+process keeps its own accumulator and the main process merges them (sums add, moments
+combine, reservoirs keep the smallest keys of the union, each sequence's keys seeded by
+its number), so N processes give the tables of one (to float rounding of the sums). At
+the end ``tables.json``, ``per_layer.csv``, ``norm_fit.csv`` and ``meta.json`` are
+written; figures and Markdown are the presentation layer's job.
 """
 
 from __future__ import annotations
@@ -54,10 +54,10 @@ from ..options import GeometryOptions
 from ..result import warn_few_samples
 from ..runner import Experiment, Phase, run_experiment
 from ..state_io import load_state, save_state
-from ..stats import BlockView, SinkRate, Stat
+from ..stats import BlockView, SinkRate, Stat, control_token
 from .analyses.sink_scaling import SinkScalingResult, detect_sink_layers, sink_scaling_nll
 from .analysis import make_stats, resolve_analyses
-from .result import SCALING_FILE, STATE_FILE, GeometryResult, build_result
+from .result import SCALING_FILE, STATE_FILE, GeometryResult, build_result, split_scaling_rows
 
 
 class NoSinkLayersWarning(UserWarning):
@@ -85,6 +85,7 @@ class GeometryAccumulator:
         self.sequences = 0
         self.units: list[int] = []  # the sequences folded in, by their number in the run
         self.scaling_nll: list[list[float]] = []  # per sequence, one NLL per γ
+        self.control_nll: list[list[float]] = []  # the same with the control token scaled
         self.sink_layers: list[int] | None = None
         self.scaling_skipped: str | None = None  # why the sink-scaling passes did not run
         self._tokens = 0
@@ -167,22 +168,35 @@ class GeometryAccumulator:
         warnings.warn(message, NoSinkLayersWarning, stacklevel=2)
         return False
 
-    def scaling(self, model: LoadedModel, ids: Tensor) -> list[float]:
-        """The mean NLL per γ of one sequence with v_0 scaled in the sink layers (NaN for a
-        sequence too short to score)."""
-        layers = self.resolve_sink_layers()
-        if ids.numel() < 2:  # no next token to predict: recorded as missing
-            return [float("nan")] * len(self.options.gammas)
-        return sink_scaling_nll(model, ids, self.options.gammas, layers)
+    def control_position(self, num_tokens: int, unit: int) -> int | None:
+        """The control token of sequence ``unit`` in the scaling passes (seeded)."""
+        return control_token(num_tokens, self.options.seed, unit)
 
-    def add_scaling(self, model: LoadedModel, ids: Tensor) -> None:
+    def scaling(
+        self, model: LoadedModel, ids: Tensor, unit: int | None = None
+    ) -> tuple[list[float], list[float]]:
+        """The mean NLL per γ of one sequence (number ``unit`` of the run, default the
+        next) with v_0 scaled in the sink layers, and with the control token's value
+        scaled instead (NaN for a sequence too short to score)."""
+        layers = self.resolve_sink_layers()
+        n = len(self.options.gammas)
+        if ids.numel() < 2:  # no next token to predict: recorded as missing
+            return [float("nan")] * n, [float("nan")] * n
+        unit = len(self.scaling_nll) if unit is None else unit
+        control = self.control_position(int(ids.numel()), unit)
+        nll = sink_scaling_nll(model, ids, self.options.gammas, layers, control=control)
+        return nll[:n], nll[n:]
+
+    def add_scaling(self, model: LoadedModel, ids: Tensor, unit: int | None = None) -> None:
         """The sink-value scaling passes of one sequence (after sink layers are fixed)."""
-        self.scaling_nll.append(self.scaling(model, ids))
+        sink, control = self.scaling(model, ids, unit)
+        self.scaling_nll.append(sink)
+        self.control_nll.append(control)
 
     def result(self) -> GeometryResult:
         return build_result(
             self.stats, self.analyses, self.options, self.num_layers, self.sequences,
-            self.sink_layers, self.scaling_nll, self.scaling_skipped,
+            self.sink_layers, self.scaling_nll, self.scaling_skipped, self.control_nll,
         )  # fmt: skip
 
     # ---- persistence -----------------------------------------------------------------
@@ -200,7 +214,8 @@ class GeometryAccumulator:
         # run folders written before units were recorded ran their sequences in order
         self.units = [int(u) for u in state.get("units", range(self.sequences))]
         for key, stat in self.stats.items():
-            stat.load_state_dict(state["stats"][key])
+            if key in state["stats"]:  # a statistic newer than the state starts empty
+                stat.load_state_dict(state["stats"][key])
 
     def merge_state(self, state: dict[str, Any]) -> None:
         """Fold in the state of an accumulator over other sequences (another process's)."""
@@ -210,7 +225,8 @@ class GeometryAccumulator:
         self.sequences += int(state["sequences"])
         self.units = sorted([*self.units, *units])
         for key, stat in self.stats.items():
-            stat.merge(state["stats"][key])
+            if key in state["stats"]:  # else it misses those sequences (and says so)
+                stat.merge(state["stats"][key])
 
 
 def encode_texts(
@@ -260,10 +276,18 @@ class Geometry(Experiment[GeometryResult]):
         self.acc.add_sequence(self.model, self.ids[i], unit=i)
 
     def scale(self, i: int) -> list[dict[str, Any]]:
-        nll = self.acc.scaling(self.model, self.ids[i])
-        return [
-            {"seq": i, "gamma": g, "nll": v} for g, v in zip(self.options.gammas, nll, strict=True)
-        ]
+        """One row per γ with the sink's value scaled (``scaled`` sink, ``position`` 0),
+        then one per γ with the control token's (``scaled`` control; position −1: none)."""
+        sink, control = self.acc.scaling(self.model, self.ids[i], unit=i)
+        position = self.acc.control_position(int(self.ids[i].numel()), i)
+        rows = []
+        for scaled, where, nll in (("sink", 0, sink), ("control", position, control)):
+            for gamma, value in zip(self.options.gammas, nll, strict=True):
+                pos = -1 if where is None else where
+                rows.append(
+                    {"seq": i, "gamma": gamma, "nll": value, "scaled": scaled, "position": pos}
+                )
+        return rows
 
     def phases(self) -> Iterator[Phase]:
         n = len(self.ids)
@@ -274,16 +298,13 @@ class Geometry(Experiment[GeometryResult]):
         if "sink_scaling" in self.analyses and self.acc.plan_scaling():
             yield Phase(
                 "sink scaling", range(n), self.scale, rows_file=SCALING_FILE, key="seq",
-                rows_per_unit=len(self.options.gammas),
+                rows_per_unit=2 * len(self.options.gammas),
             )  # fmt: skip
 
     def result(
         self, rows: Mapping[str, list[dict[str, str]]], run_info: dict[str, Any]
     ) -> GeometryResult:
-        nll: dict[int, list[float]] = {}
-        for row in rows.get(SCALING_FILE, []):
-            nll.setdefault(int(row["seq"]), []).append(float(row["nll"]))
-        self.acc.scaling_nll = [nll[k] for k in sorted(nll)]
+        self.acc.scaling_nll, self.acc.control_nll = split_scaling_rows(rows.get(SCALING_FILE, []))
         result = self.acc.result()
         result.config, result.run_info = self.config(), run_info
         result.tokens = [int(x.numel()) for x in self.ids]
