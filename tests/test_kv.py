@@ -442,3 +442,174 @@ def test_a_window_only_prefill_runs_on_sdpa_and_gives_the_same_stats() -> None:
     for method in methods:
         a, b = kv.compress(fast, method, 0.5), kv.compress(full, method, 0.5)
         assert all(torch.equal(a.kept[i], b.kept[i]) for i in a.kept), method
+
+
+NEW_METHODS = ["h2o_recent", "vatp_sinks", "keydiff", "criticalkv", "expected_attention"]
+_queries: dict[int, tuple[Tensor, float]] = {}  # layer -> (query (B, H, T, d_h), scaling)
+
+
+def _recording_attention(module: nn.Module, query: Tensor, *args: Any, **kwargs: Any) -> Any:
+    scaling = kwargs.get("scaling")
+    scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+    _queries[int(module.layer_idx)] = (query.detach().clone(), scale)  # type: ignore[arg-type]
+    return _reference_attention(module, query, *args, **kwargs)
+
+
+def _prefill_queries(model: nn.Module, ids: Tensor) -> dict[int, tuple[Tensor, float]]:
+    """Every layer's queries as the attention function receives them (after RoPE), by an
+    attention function of this test, independent of capture."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    name = "kv_query_recorder"
+    AttentionInterface.register(name, _recording_attention)
+    AttentionMaskInterface.register(name, eager_mask)
+    previous = model.config._attn_implementation
+    _queries.clear()
+    _drop.clear()
+    try:
+        model.set_attn_implementation(name)
+        with torch.no_grad():
+            model(input_ids=ids)
+        return dict(_queries)
+    finally:
+        model.set_attn_implementation(previous)
+
+
+def _group_mean(x: Tensor, g: int) -> Tensor:
+    """``(H, T)`` → ``(G, T)``: the mean over each KV group's query heads."""
+    return torch.stack([part.mean(0) for part in x.chunk(g, dim=0)])
+
+
+def test_new_methods_match_a_direct_computation(tiny: Any) -> None:
+    """h2o_recent, vatp_sinks, keydiff, criticalkv and expected_attention, each against its
+    formula computed here from the eager reference's probabilities and values, the cache's
+    keys and the queries an attention function of this test records."""
+    from reference import projected_values
+
+    ids = _ids(T, seed=14)
+    pre = kv.prefill(tiny, ids, window=WINDOW)
+    run = eager_run(tiny.model, ids)
+    queries = _prefill_queries(tiny.model, ids)
+    ratio = 0.5
+    budget = kv.n_kept(T, ratio)  # 12 of 24
+    for layer, stats in pre.stats.items():
+        probs = run.probs[layer][0]  # (H, T, T)
+        values = run.values[layer][0]  # (G, T, d_h)
+        keys = pre.cache.layers[layer].keys[0]  # (G, T, d_h)
+        g, h = keys.shape[0], probs.shape[0]
+        rep = h // g
+        attn = _group_mean(probs.sum(1), g)  # (G, T) Σ_i α_ij, group mean
+
+        def kept(name: str, _layer: int = layer) -> list[set[int]]:
+            rows = kv.compress(pre, name, ratio).kept[_layer][0]
+            return [set(r.tolist()) for r in rows]
+
+        # h2o_recent: the last 6 and the 6 older ones of highest accumulated attention
+        for head, got in enumerate(kept("h2o_recent")):
+            heavy = attn[head, : T - 6].topk(budget - 6).indices.tolist()
+            assert got == set(range(T - 6, T)) | set(heavy), (layer, head)
+
+        # vatp_sinks: Σ_i α_ij ‖v_j‖₁ after the 4 sinks, which rank above every other
+        score = kv.get_method("vatp_sinks").score(stats)[0]
+        want = attn * values.abs().sum(-1)
+        torch.testing.assert_close(score[:, 4:], want[:, 4:], rtol=1e-9, atol=1e-12)
+        assert bool((score[:, :4].min(-1).values > score[:, 4:].max(-1).values).all())
+        assert all({0, 1, 2, 3} <= row for row in kept("vatp_sinks"))
+
+        # keydiff: −cos(k_j, mean_j k_j/‖k_j‖) (a zero key, as Gemma's key norm can give,
+        # scores 0: norms clamped as torch's cosine similarity does)
+        norms = keys.norm(dim=-1, keepdim=True)
+        anchor = (keys / norms.clamp_min(1e-12)).mean(1, keepdim=True)
+        cos = (keys * anchor).sum(-1) / norms[..., 0].clamp_min(1e-8)
+        want = -cos / anchor.norm(dim=-1).clamp_min(1e-8)
+        torch.testing.assert_close(kv.get_method("keydiff").score(stats)[0], want)
+
+        # criticalkv: the best 6 by snapkv, then snapkv × ‖W_O^(h) v_j‖ (group mean)
+        snap = kv.get_method("snapkv").score(stats)[0]
+        norm = _group_mean(projected_values(values, run.weights[layer]).norm(dim=-1), g)
+        want = (snap + 1e-4) * norm
+        first = snap.topk(budget // 2).indices
+        for head, got in enumerate(kept("criticalkv")):
+            rest = want[head].clone()
+            rest[first[head]] = float("-inf")
+            second = rest.topk(budget - budget // 2).indices
+            assert got == set(first[head].tolist()) | set(second.tolist()), (layer, head)
+        score = kv.get_method("criticalkv").score_for_budget(stats, budget)[0]
+        others = torch.ones_like(want, dtype=torch.bool).scatter(1, first, False)
+        torch.testing.assert_close(score[others], want[others], rtol=1e-9, atol=1e-12)
+
+        # expected_attention: softmax_j(s μ·k_j + s²/2 k_jᵀ Σ k_j) over keys after the 4
+        # sinks, μ and Σ of the window's queries, group mean, × ‖v_j‖₂
+        # (the window's queries gathered by capture equal those recorded here to the float32
+        # rounding of eager softmax in earlier layers; the formula is checked on the former)
+        query, scale = queries[layer]
+        assert stats.scaling == pytest.approx(scale, rel=1e-12)
+        torch.testing.assert_close(
+            stats.window_queries, query[:, :, T - WINDOW :], rtol=1e-5, atol=1e-7
+        )
+        window = stats.window_queries[0]  # (H, w, d_h)
+        want = torch.zeros(h, T - 4, dtype=torch.float64)
+        for head in range(h):
+            q = window[head]
+            mu = q.mean(0)
+            cov = (q - mu).T @ (q - mu) / q.shape[0]
+            k = keys[head // rep, 4:]
+            logits = scale * k @ mu + scale**2 / 2 * torch.einsum("td,de,te->t", k, cov, k)
+            want[head] = torch.softmax(logits, dim=0)
+        want = _group_mean(want, g) * values[:, 4:].norm(dim=-1)
+        score = kv.get_method("expected_attention").score(stats)[0]
+        torch.testing.assert_close(score[:, 4:], want, rtol=1e-9, atol=1e-12)
+        assert bool((score[:, :4].min(-1).values > score[:, 4:].max(-1).values).all())
+
+
+def test_new_methods_keep_the_budget_and_their_protected_entries() -> None:
+    model = tiny_model("qwen2", dtype=torch.float64)
+    pre = kv.prefill(model, _ids(T, seed=15), window=WINDOW, methods=NEW_METHODS)
+    for ratio in (0.5, 0.75, 0.95):
+        budget = kv.n_kept(T, ratio)
+        for name in NEW_METHODS:
+            small = kv.compress(pre, name, ratio)
+            for kept in small.kept.values():
+                assert kept.shape[-1] == budget, (name, ratio)
+                assert all(row.unique().numel() == budget for row in kept.reshape(-1, budget))
+        recent = kv.get_method("h2o_recent").recent_tokens(budget)  # type: ignore[attr-defined]
+        assert recent == budget // 2
+        for kept in kv.compress(pre, "h2o_recent", ratio).kept.values():
+            for row in kept.reshape(-1, budget).tolist():
+                assert set(range(T - recent, T)) <= set(row)
+        for name in ("vatp_sinks", "expected_attention"):
+            for kept in kv.compress(pre, name, ratio).kept.values():
+                for row in kept.reshape(-1, budget).tolist():
+                    assert set(range(min(4, budget))) <= set(row) or budget < 4
+    # parameters are fields; a wrapped base's statistics are gathered
+    mostly_recent = kv.H2ORecent("h2o_r75", recent=0.75)
+    assert mostly_recent.recent_tokens(12) == 9
+    critical = kv.CriticalKV("critical_h2o", base="h2o", first_stage=0.25)
+    assert set(kv.methods.method_needs(critical)) == {"attn_sum", "projected_value_norm"}
+    with pytest.raises(ValueError, match="share of the budget"):
+        kv.H2ORecent("bad", recent=1.5)
+    light = kv.prefill(model, _ids(T, seed=15), window=WINDOW, methods=["expected_attention"])
+    for stats in light.stats.values():
+        assert stats.window_queries is not None and stats.window_queries.shape[2] == WINDOW
+        assert stats.attn_sum is None and stats.window_probs is None
+        assert stats.projected_value_norm is None and stats.window_contribution is None
+
+
+def test_new_methods_are_registered_and_run_in_kv_eval(tmp_path: Any, capsys: Any) -> None:
+    from tiny_models import save_tiny
+
+    from contribution_weights.cli import main
+
+    assert kv.resolve_methods(",".join(NEW_METHODS)) == NEW_METHODS
+    folder = save_tiny("llama", tmp_path / "model")
+    texts = tmp_path / "texts.jsonl"
+    lines = [json.dumps({"text": word * 60}) for word in ("abcdefghij", "klmnopqrst")]
+    texts.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "run"
+    code = main(["kv-eval", "--model", str(folder), "--texts", str(texts), "--methods",
+                 ",".join(NEW_METHODS), "--ratios", "0,0.5", "--context-tokens", "128",
+                 "--n", "2", "--out", str(out)])  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    rows = pd.read_csv(out / "per_item.csv")
+    assert set(rows["method"]) == {"none", *NEW_METHODS}

@@ -136,7 +136,7 @@ def compress(prefill: Prefill, method: str | Method, ratio: float) -> Compressed
                 *layer.keys.shape[:2], t
             )
             continue
-        scores = spec.score(stats)
+        scores = spec.score_for_budget(stats, n_kept(t, ratio))
         if scores.shape != layer.keys.shape[:-1]:
             raise RuntimeError(
                 f"method {spec.name!r} scored shape {tuple(scores.shape)} at layer {idx}, "

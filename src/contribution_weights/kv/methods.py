@@ -4,6 +4,10 @@ A :class:`Method` maps a :class:`LayerStats` (what one attention layer showed du
 prefill, gathered on the capture path by :mod:`.scoring`) to a ``(B, G, T)`` score per KV
 head and cached position; the ``T × (1 − ratio)`` best-scored entries of each KV head are
 kept (:mod:`.cache`). Adding a method is one function plus one :func:`register_method`.
+A method whose scores depend on the budget (a recent window as a share of it, a first
+stage) overrides :meth:`Method.score_for_budget`. Every method keeps exactly the budget:
+positions it protects (sinks, a window) are part of it, and when the budget is smaller
+than the protected set, the kept ones among them are an arbitrary subset (tied scores).
 
 The baselines follow their papers, in the form kvpress 0.5.5 implements them (window 64,
 pooling kernel 5, 4 sink tokens), so ``benchmarks/kvpress_crosscheck.py`` can compare:
@@ -19,6 +23,14 @@ pooling kernel 5, 4 sink tokens), so ``benchmarks/kvpress_crosscheck.py`` can co
 * ``knorm`` — Devoto et al. 2024: low key norm means keep (score = −‖k_j‖).
 * ``vatp`` — Guo et al. 2024 (value-aware token pruning): accumulated attention times the
   value's L1 norm, ``S_j · ‖v_j‖₁``.
+* ``vatp_sinks`` — ``vatp`` with the first 4 tokens always kept, as the paper runs it.
+* ``h2o_recent`` — H2O as its paper runs it: half of the budget the most recent tokens,
+  half the heavy hitters by accumulated attention (``recent`` = the recent share).
+* ``keydiff`` — Park et al. 2025: −cos(k_j, mean unit key of the head).
+* ``criticalkv`` — Feng et al. 2025 (kvpress's CriticalKVPress) on SnapKV: half the
+  budget by SnapKV, the rest by SnapKV × ‖W_O^(h) v_j‖.
+* ``expected_attention`` — kvpress's ExpectedAttentionPress: the attention that queries
+  drawn from the window's query mean and covariance would pay, times ‖v_j‖; 4 sinks kept.
 * ``vatp_wo`` — the same with the norm of the projected value, ``S_j · ‖W_O^(h) v_j‖``
   (the value geometry of method §2, without the alignment term).
 * ``window_attention`` — mean attention of the last ``window`` queries, without pooling:
@@ -63,7 +75,13 @@ Scores = Float[Tensor, "b g t"]
 
 #: what a prefill can gather for the methods (each a field of :class:`LayerStats`); the
 #: cached keys and values are always there
-STATISTICS = ("attn_sum", "window_probs", "window_contribution", "projected_value_norm")
+STATISTICS = (
+    "attn_sum",
+    "window_probs",
+    "window_contribution",
+    "projected_value_norm",
+    "window_queries",
+)
 
 
 @dataclass
@@ -76,6 +94,9 @@ class LayerStats:
         window_probs: ``(B, H, w, T)`` α of the last ``w`` queries (the observation window).
         window_contribution: ``(B, H, T)`` Σ_i |ĉ_ij^(h)| over the last ``w`` queries.
         projected_value_norm: ``(B, H, T)`` ‖W_O^(h) v_j‖.
+        window_queries: ``(B, H, w, d_h)`` the last ``w`` queries as the attention saw them
+            (after RoPE and any query norm), with ``scaling`` the attention's scale (their
+            logits are ``scaling · q_i · k_j``).
         seed: for ``random``.
         contribution_by_window: Σ_i |ĉ_ij^(h)| over the last ``n`` queries, for the windows
             ``n`` of methods whose own window is shorter than the observation window.
@@ -89,6 +110,8 @@ class LayerStats:
     window_probs: Float[Tensor, "b h w t"] | None = None
     window_contribution: Float[Tensor, "b h t"] | None = None
     projected_value_norm: Float[Tensor, "b h t"] | None = None
+    window_queries: Float[Tensor, "b h w dh"] | None = None
+    scaling: float = 1.0
     seed: int = 0
     window: int = WINDOW
     contribution_by_window: dict[int, Tensor] = field(default_factory=dict)
@@ -135,6 +158,12 @@ class LayerStats:
             )
         return self.contribution_by_window[w]
 
+    def queries_of_window(self, window: int | None) -> Tensor:
+        """``(B, H, w, d_h)``: the last ``window`` queries (None: the whole window)."""
+        queries = self.need("window_queries")
+        w = self._window(window)
+        return queries[:, :, queries.shape[2] - w :]
+
     @property
     def window_size(self) -> int:
         """Queries in the observation window (fewer than ``window`` for a short prefill)."""
@@ -175,6 +204,12 @@ class Method:
 
     def score(self, stats: LayerStats) -> Scores:
         raise NotImplementedError(f"{type(self).__name__} has no score()")
+
+    def score_for_budget(self, stats: LayerStats, kept: int) -> Scores:
+        """The scores when ``kept`` entries per KV head will be kept (:func:`~.compress`
+        calls this). Most methods ignore the budget; those that split it (a recent window
+        as a share of it, a first selection stage) override this."""
+        return self.score(stats)
 
     @property
     def window_queries(self) -> int | None:
@@ -341,13 +376,47 @@ class KNorm(Method):
 
 
 @dataclass(frozen=True)
-class VATP(Method):
-    """Guo et al. 2024: accumulated attention times the value's L1 norm, S_j · ‖v_j‖₁."""
+class H2ORecent(Method):
+    """H2O as its paper runs it: the budget split between the most recent tokens and the
+    heavy hitters (accumulated attention over every prefill query, group mean).
 
+    Of a budget of ``kept`` entries per KV head, the last ``⌊recent · kept⌋`` positions are
+    kept and the other ``kept − ⌊recent · kept⌋`` are the best by accumulated attention
+    among the older ones (the paper's 50/50 split by default).
+    """
+
+    recent: float = 0.5
+    needs = ("attn_sum",)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 <= self.recent <= 1:
+            raise ValueError(f"method {self.name!r}: recent is a share of the budget in [0, 1]")
+
+    def recent_tokens(self, kept: int) -> int:
+        """Positions of the recent window within a budget of ``kept``."""
+        return min(kept, int(kept * self.recent))
+
+    def score(self, stats: LayerStats) -> Scores:
+        """Without a budget: the scores for keeping half (ratio 0.5)."""
+        return self.score_for_budget(stats, max(1, stats.length // 2))
+
+    def score_for_budget(self, stats: LayerStats, kept: int) -> Scores:
+        scores = stats.per_kv_head(stats.need("attn_sum"))
+        return _protect_last(scores, self.recent_tokens(kept))
+
+
+@dataclass(frozen=True)
+class VATP(Method):
+    """Guo et al. 2024: accumulated attention times the value's L1 norm, S_j · ‖v_j‖₁; the
+    first ``sinks`` tokens always kept (the paper keeps 4)."""
+
+    sinks: int = 0
     needs = ("attn_sum",)
 
     def score(self, stats: LayerStats) -> Scores:
-        return stats.per_kv_head(stats.need("attn_sum")) * stats.values.abs().sum(-1)
+        scores = stats.per_kv_head(stats.need("attn_sum")) * stats.values.abs().sum(-1)
+        return _protect_first(scores, self.sinks)
 
 
 @dataclass(frozen=True)
@@ -389,6 +458,105 @@ class Contribution(Method):
 
 
 @dataclass(frozen=True)
+class KeyDiff(Method):
+    """Park et al. 2025: keep the most distinctive keys; score = −cos(k_j, k̄) with k̄ the
+    mean of the head's unit keys (kvpress's anchor)."""
+
+    def score(self, stats: LayerStats) -> Scores:
+        keys = stats.keys.to(torch.promote_types(stats.keys.dtype, torch.float32))
+        anchor = F.normalize(keys, dim=-1).mean(dim=2, keepdim=True)
+        return -F.cosine_similarity(keys, anchor, dim=-1)
+
+
+@dataclass(frozen=True)
+class CriticalKV(Method):
+    """Feng et al. 2025, as kvpress's CriticalKVPress: two stages on a base method's scores
+    ``s_j`` within a budget of ``kept`` per KV head.
+
+    Stage 1 keeps the ``⌊first_stage · kept⌋`` best by ``s_j``; stage 2 fills the rest by
+    ``(s_j + epsilon) · ‖W_O^(h) v_j‖`` (the projected value norm, mean over the group's
+    heads). kvpress uses the L1 norm of ``W_O^(h) v_j`` (the paper's bound); this uses the
+    L2 norm the prefill gathers (``projected_value_norm``).
+    """
+
+    base: str | Method = "snapkv"
+    first_stage: float = 0.5
+    epsilon: float = 1e-4
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 <= self.first_stage <= 1:
+            raise ValueError(f"method {self.name!r}: first_stage is a share of the budget")
+
+    @property
+    def base_method(self) -> Method:
+        return get_method(self.base)
+
+    @property
+    def gathers(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys((*method_needs(self.base_method), "projected_value_norm")))
+
+    @property
+    def window_queries(self) -> int | None:
+        return self.base_method.window_queries
+
+    def score(self, stats: LayerStats) -> Scores:
+        """Without a budget: the scores for keeping half (ratio 0.5)."""
+        return self.score_for_budget(stats, max(1, stats.length // 2))
+
+    def score_for_budget(self, stats: LayerStats, kept: int) -> Scores:
+        base = self.base_method.score_for_budget(stats, kept)
+        norm = stats.per_kv_head(stats.need("projected_value_norm"))
+        scores = (base + self.epsilon) * norm
+        first = min(kept, int(kept * self.first_stage))
+        if first > 0:
+            top = base.topk(first, dim=-1).indices
+            scores = scores.scatter(-1, top, float(scores.max()) + 1)
+        return scores
+
+
+@dataclass(frozen=True)
+class ExpectedAttention(Method):
+    """kvpress's ExpectedAttentionPress (Devoto et al. 2025), from the window's queries.
+
+    Future queries of head h are taken as Gaussian with the mean μ and covariance Σ of the
+    last ``window`` queries as the attention saw them (after RoPE); the expected logit
+    exponent of key j is ``s μ·k_j + s²/2 k_jᵀ Σ k_j`` (``s`` the attention scale), its
+    softmax over the keys after the first ``sinks`` is the expected attention, averaged
+    over the group, times ``‖v_j‖₂`` (plus ``epsilon``); the first ``sinks`` tokens are
+    always kept. kvpress instead takes μ, Σ of every prefill query before RoPE, turned by
+    the mean RoPE rotation of the next 512 positions.
+    """
+
+    window: int | None = None
+    sinks: int = N_SINK
+    use_covariance: bool = True
+    use_vnorm: bool = True
+    epsilon: float = 0.0
+    needs = ("window_queries",)
+
+    def score(self, stats: LayerStats) -> Scores:
+        queries = stats.queries_of_window(self.window)
+        dtype = torch.promote_types(queries.dtype, torch.float32)
+        q = queries.to(dtype)
+        sinks = min(self.sinks, stats.length - 1)
+        rep = q.shape[1] // stats.num_kv_heads
+        keys = stats.keys[:, :, sinks:].to(dtype).repeat_interleave(rep, dim=1)
+        mean = q.mean(dim=2)
+        logits = stats.scaling * torch.einsum("bhd,bhtd->bht", mean, keys)
+        if self.use_covariance:
+            centred = q - mean[:, :, None]
+            cov = centred.transpose(-1, -2) @ centred / q.shape[2]
+            quad = torch.einsum("bhtd,bhde,bhte->bht", keys, cov, keys)
+            logits = logits + stats.scaling**2 / 2 * quad
+        scores = stats.per_kv_head(torch.softmax(logits, dim=-1))
+        if self.use_vnorm:
+            values = stats.values[:, :, sinks:].to(dtype)
+            scores = (scores + self.epsilon) * torch.linalg.vector_norm(values, dim=-1)
+        return F.pad(scores, (sinks, 0), value=float(scores.max()) + 1)
+
+
+@dataclass(frozen=True)
 class Random(Method):
     """A seeded uniform draw."""
 
@@ -409,7 +577,20 @@ for _m in (
     TOVA("tova", "TOVA: last query's attention, mean over the layer's heads"),
     KNorm("knorm", "key norm (Devoto et al.): keep low ‖k‖"),
     VATP("vatp", "value-aware (Guo et al.): accumulated α × ‖v‖₁"),
+    VATP(
+        "vatp_sinks",
+        f"value-aware (Guo et al.): accumulated α × ‖v‖₁, first {N_SINK} tokens kept",
+        sinks=N_SINK,
+    ),
+    H2ORecent("h2o_recent", "H2O as published: half heavy hitters, half recent tokens"),
     VATPProjected("vatp_wo", "value-aware, projected: accumulated α × ‖W_O v‖"),
+    KeyDiff("keydiff", "KeyDiff (Park et al.): keep keys least like the head's mean key"),
+    CriticalKV("criticalkv", "CriticalKV: snapkv, then snapkv × ‖W_O v‖ (two stages)"),
+    ExpectedAttention(
+        "expected_attention",
+        f"expected attention of future queries × ‖v‖ (window's query mean, covariance); "
+        f"{N_SINK} sinks kept",
+    ),
     WindowAttention("window_attention", f"mean α of {_window_text(None)}"),
     Contribution("contribution", f"ours: Σ |ĉ| over {_window_text(None)} and the group"),
     Contribution(

@@ -6,15 +6,17 @@ the cache the model filled together with one :class:`~.methods.LayerStats` per
 compressible layer. Every method in :mod:`.methods` is then a cheap function of those
 statistics, so one prefill serves all methods and ratios.
 
-Speed. When no chosen method needs every query's attention (H2O, VATP and observed
-attention do; SnapKV, TOVA, the window methods, contribution, key norm and StreamingLLM do
-not), the observer names the window's queries (``query_rows``): every layer then runs on
-the model's own sdpa kernel, and only the window's probabilities are computed eagerly.
+Speed. When no chosen method needs every query's attention (H2O, H2O with a recent
+window, VATP and observed attention do; SnapKV, TOVA, the window methods, contribution,
+CriticalKV on SnapKV, expected attention, KeyDiff, key norm and StreamingLLM do not),
+the observer names the window's queries (``query_rows``): every layer then runs on the
+model's own sdpa kernel, and only the window's probabilities are computed eagerly.
 
 Memory. Capture shows the observer the attention probabilities block by block (query
 rows, see :mod:`~contribution_weights.capture`). The observer keeps, per layer, only
 ``(B, H, T)`` running sums (accumulated attention) and, for the rows of the last
-``window`` queries, their ``(B, H, w, T)`` probabilities. The contribution ĉ is computed
+``window`` queries, their ``(B, H, w, T)`` probabilities (and, for expected attention,
+their ``(B, H, w, d_h)`` queries). The contribution ĉ is computed
 from the block's tensors for those window rows only (:meth:`LayerBlock.tensors` with the
 window's rows): nothing of size ``(H, T, T)`` is built beyond what capture itself builds
 for one block.
@@ -46,6 +48,9 @@ from .methods import (
     method_needs,
 )
 
+#: window statistics computed from the block's layer tensors (output projection included)
+_FROM_BLOCK = frozenset({"window_contribution", "projected_value_norm"})
+
 
 @dataclass
 class _Partial:
@@ -54,6 +59,8 @@ class _Partial:
     window_contribution: Tensor | None = None
     by_window: dict[int, Tensor] = field(default_factory=dict)
     projected_value_norm: Tensor | None = None
+    window_queries: list[Tensor] = field(default_factory=list)
+    scaling: float = 1.0
     keys: Tensor | None = None
     values: Tensor | None = None
 
@@ -96,7 +103,7 @@ class StatsObserver:
     @property
     def reads_window(self) -> bool:
         """Whether the window's query rows are needed at all."""
-        return bool(self.needs & {"window_probs", "window_contribution", "projected_value_norm"})
+        return bool(self.needs & {*_FROM_BLOCK, "window_probs", "window_queries"})
 
     def observe(self, view: LayerBlock) -> None:
         call, rows, probs = view.call, view.rows, view.probs
@@ -105,7 +112,9 @@ class StatsObserver:
         dtype = torch.promote_types(call.query.dtype, torch.float32)
         part = self.partial.get(call.layer_idx)
         if part is None:
-            part = _Partial(keys=call.key.detach(), values=call.value.detach())
+            part = _Partial(
+                keys=call.key.detach(), values=call.value.detach(), scaling=float(call.scaling)
+            )
             if "attn_sum" in self.needs:
                 b, h, t = call.batch, call.num_heads, call.k_len
                 part.attn_sum = torch.zeros(b, h, t, dtype=dtype, device=probs.device)
@@ -120,6 +129,10 @@ class StatsObserver:
         block = probs.detach()[:, :, start - rows.start :]
         if "window_probs" in self.needs:
             part.window_probs.append(block.to(dtype))
+        if "window_queries" in self.needs:
+            part.window_queries.append(call.query.detach()[:, :, sub].to(dtype))
+        if not self.needs & _FROM_BLOCK:
+            return
         lt = view.tensors(dtype, rows=sub)  # shared with any other observer of these rows
         if "window_contribution" in self.needs:
             c = contribution_weights(lt).abs()  # (B, H, I, T) over these window rows
@@ -142,6 +155,10 @@ class StatsObserver:
                 window_probs=torch.cat(part.window_probs, dim=2) if part.window_probs else None,
                 window_contribution=part.window_contribution,
                 projected_value_norm=part.projected_value_norm,
+                window_queries=(
+                    torch.cat(part.window_queries, dim=2) if part.window_queries else None
+                ),
+                scaling=part.scaling,
                 seed=seed + idx,
                 window=self.window,
                 contribution_by_window=dict(part.by_window),
