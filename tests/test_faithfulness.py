@@ -317,7 +317,8 @@ def test_smollm2_ihc_comprehensiveness_grows_with_rate(smollm2, shared_data):
 
     texts = load_texts("gsm8k", 2, shared_data)
     res = faithfulness(smollm2, texts, measures=["ihc"], rates=[0.05, 0.2, 0.5],
-                       modes=["comprehensiveness"], max_tokens=48, progress=False)  # fmt: skip
+                       modes=["comprehensiveness"], max_tokens=48, baselines="none",
+                       progress=False)  # fmt: skip
     s = res.summary.sort_values("rate")
     d = s.delta_ppl_mean.to_numpy()
     assert (d[1:] > d[:-1]).all() and d[0] > 0, s
