@@ -13,6 +13,7 @@ from contribution_weights.cli import main
 from contribution_weights.measures import layer
 from contribution_weights.measures.registry import (
     MEASURES,
+    AbsoluteOf,
     Recipe,
     RowScaled,
     Style,
@@ -243,3 +244,35 @@ def test_the_pieces_of_a_measure_are_exported_with_it():
     for name in ("Recipe", "RowScaled", "AbsoluteOf", "RankOne", "Style", "MEASURES"):
         assert getattr(cw.measures, name) is getattr(registry, name), name
         assert name in cw.measures.__all__
+
+
+def test_reductions_share_only_between_weights():
+    """A derived measure reuses its base's entropies and top keys only when both are
+    weights; otherwise it is reduced from its own block (no crash, the same numbers as
+    traced alone)."""
+    lm = tiny_model("llama")
+    scaled_alpha = cw.Measure(
+        "alpha_over_o", _compute, "α/‖o‖, not a weight",
+        algebra=RowScaled("attention", lambda lt: lt.inv_output_norm),
+    )  # fmt: skip
+    abs_cosine = cw.Measure(
+        "abs_cosine", lambda lt: layer.cosine(lt).abs(), "|κ| as a weight",
+        normalise=lambda w: w / w.sum(dim=(-3, -1), keepdim=True).clamp_min(1e-30),
+        algebra=AbsoluteOf("cosine"),
+    )  # fmt: skip
+    try:
+        for m in (scaled_alpha, abs_cosine):
+            cw.register_measure(m)
+        with_base = cw.trace(lm, TEXT, measures=["attention", "cosine", *MEASURE_PAIR], maps=False)
+        for name in MEASURE_PAIR:
+            alone = cw.trace(lm, TEXT, measures=[name], maps=False)
+            torch.testing.assert_close(with_base.token_scores(name), alone.token_scores(name))
+        ent = with_base.reduced("abs_cosine").mean_entropy()
+        alone = cw.trace(lm, TEXT, measures=["abs_cosine"], maps=False)
+        assert ent == pytest.approx(alone.reduced("abs_cosine").mean_entropy()) and ent > 0
+    finally:
+        for name in MEASURE_PAIR:
+            MEASURES.unregister(name)
+
+
+MEASURE_PAIR = ("alpha_over_o", "abs_cosine")

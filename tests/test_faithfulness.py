@@ -680,6 +680,8 @@ def test_baselines_rank_like_measures():
     latest eligible tokens, the seeds draw different rankings, and a run can have none."""
     import numpy as np
 
+    from contribution_weights.interventions import sequence_salt
+
     lm = tiny_model("llama")
     res = faithfulness(lm, [TEXT, TEXT[::-1]], measures=["attention"], rates=[0.5],
                        modes=["comprehensiveness"], progress=False)  # fmt: skip
@@ -697,6 +699,12 @@ def test_baselines_rank_like_measures():
     assert rec.removed[0, :, latest].all() and rec.removed[0].sum() == 4 * len(latest)
     assert not torch.equal(rec.removed[1], rec.removed[2])  # two seeds, two rankings
     assert rec.removed[1].shape[-1] == t
+    # another text of the same length draws another random ranking (salted by its ids)
+    other, _ = _run_history(lm, rows, ids.flip(0), salt=sequence_salt(ids.flip(0)))
+    again, _ = _run_history(lm, rows, ids, salt=sequence_salt(ids))
+    assert not torch.equal(other[0].removed[1], again[0].removed[1])
+    repeat, _ = _run_history(lm, rows, ids, salt=sequence_salt(ids))
+    assert torch.equal(again[0].removed[1], repeat[0].removed[1])  # reproducible
     with pytest.raises(ValueError, match="unknown baseline 'oracle'"):
         faithfulness(lm, [TEXT], baselines="oracle", progress=False)
     with pytest.raises(ValueError, match="random:SEED"):

@@ -117,3 +117,24 @@ def test_reference_layout_is_the_projection_input() -> None:
     got = _projection_input(model, ids, FixedEdit(none, "key_mask"))
     torch.testing.assert_close(got, _reference(model, ids, none, "value_zero"))
     assert attention_modules(model) and layout(model.config.model_type)
+
+
+def test_observers_never_see_alpha_v_that_a_replacement_changed() -> None:
+    """Under mean_value the layer's output is not α·v of the probabilities shown, so the
+    shared view must not hand it to observers as the block's α·v."""
+    seen = []
+
+    class Recorder:
+        def observe(self, view):
+            seen.append(view.states is None)
+
+    model = tiny_model("llama", dtype=torch.float64).model
+    ids = torch.randint(0, 99, (1, T), generator=torch.Generator().manual_seed(9))
+    removed = torch.zeros(1, model.config.num_attention_heads, T, dtype=torch.bool)
+    removed[:, :, 3] = True
+    for how, expect_none in (("mean_value", True), ("value_zero", False)):
+        seen.clear()
+        with torch.no_grad(), capturing(model, [Recorder()], intervention=FixedEdit(removed, how)):
+            model(input_ids=ids, use_cache=False)
+        layer_one = seen[1]  # layer 0 runs unedited; layer 1 is edited
+        assert layer_one is expect_none, how

@@ -505,7 +505,9 @@ class CaptureSession:
             if self.observers:
                 if scale is not None:  # observers see the probabilities actually used
                     probs = probs * scale[:, :, None, :].to(probs.dtype)
-                shown = LayerBlock(call, rows, probs, keys=keys, states=block)
+                # the block's α·v is the layer's own unless values were replaced
+                states = block if replaced is None else None
+                shown = LayerBlock(call, rows, probs, keys=keys, states=states)
                 try:
                     for observer in self.observers:
                         observer.observe(shown)

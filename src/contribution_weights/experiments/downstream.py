@@ -21,7 +21,14 @@ import pandas as pd
 import torch
 
 from ..data import ChoiceItem
-from ..interventions import CLEAN, DEFAULT_MEMORY_BYTES, SINK_COSINE, Removal, token_logprobs
+from ..interventions import (
+    CLEAN,
+    DEFAULT_MEMORY_BYTES,
+    SINK_COSINE,
+    Removal,
+    sequence_salt,
+    token_logprobs,
+)
 from ..loading import LoadedModel
 from ..runs import fingerprint, renamed_keyword
 from .options import (  # the options are light: the CLI reads them before torch
@@ -107,6 +114,7 @@ def option_scores(
     distribution; otherwise each (configuration, option) pair is a row.
     """
     p = len(prompt)
+    salt = sequence_salt(prompt)
 
     def logprobs(ids: torch.Tensor, rows: list[Removal], last: bool = False) -> torch.Tensor:
         return token_logprobs(
@@ -120,6 +128,7 @@ def option_scores(
             memory_bytes=memory_bytes,
             last=last,
             how=how,
+            salt=salt,  # one random ranking per item, whatever option follows the prompt
         )
 
     if all(len(o) == 1 for o in options):

@@ -51,6 +51,7 @@ from .removal import (
     column_sums_of,
     global_thresholds,
     removal_count,
+    sequence_salt,
 )
 from .sinks import SinkTracker, SinkValueScale, sink_mask, tracking_sinks
 
@@ -74,6 +75,7 @@ __all__ = [
     "mean_nll",
     "removal_count",
     "row_bytes",
+    "sequence_salt",
     "sink_mask",
     "token_logprobs",
     "tracking_sinks",

@@ -28,7 +28,7 @@ from torch import Tensor
 from ..capture import Intervention, capturing, check_all_layers_seen
 from ..defaults import SINK_COSINE  # light: the CLI shows it before torch
 from ..loading import LoadedModel
-from .removal import Removal, SequentialRemoval
+from .removal import Removal, SequentialRemoval, sequence_salt
 from .sinks import tracking_sinks
 
 DEFAULT_MEMORY_BYTES = 3 * 1024**3
@@ -103,6 +103,7 @@ def token_logprobs(
     memory_bytes: int = DEFAULT_MEMORY_BYTES,
     last: bool = False,
     how: str = "value_zero",
+    salt: int | None = None,
 ) -> Tensor:
     """``(R, T-1)``: log p(token t+1 | ≤ t) of each row of ``input_ids`` ``(R, T)``.
 
@@ -112,13 +113,16 @@ def token_logprobs(
 
     ``batch_size`` rows run per forward (default: as many as fit ``memory_bytes``);
     results do not depend on it beyond float rounding. ``how``: how a removed token leaves
-    a head (:class:`~.removal.SequentialRemoval`).
+    a head (:class:`~.removal.SequentialRemoval`). ``salt`` seeds the random baselines per
+    text (default: a fingerprint of the first row's ids).
     """
     if input_ids.ndim != 2 or input_ids.shape[0] != len(removals):
         raise ValueError(
             f"input_ids {tuple(input_ids.shape)} must be (rows, tokens) with one row per removal "
             f"({len(removals)})"
         )
+
+    text_salt = sequence_salt(input_ids[0]) if salt is None else salt
 
     @contextmanager
     def removal_for(rows: slice) -> Iterator[Intervention | None]:
@@ -130,6 +134,7 @@ def token_logprobs(
                 protect_sinks=protect_sinks,
                 scope=scope,
                 how=how,
+                salt=text_salt,
             )
 
     return intervened_logprobs(

@@ -51,13 +51,15 @@ from .sinks import SinkTracker, tracking_sinks
 
 
 # ---- baselines: rankings that read no measure ---------------------------------------------
-def baseline_scores(name: str, call: LayerCall, n: int) -> Tensor | None:
+def baseline_scores(name: str, call: LayerCall, n: int, salt: int = 0) -> Tensor | None:
     """``(n, H, T)`` token scores of a baseline ranking, or None when ``name`` is a measure.
 
-    ``random:SEED``: uniform scores drawn per (layer, head, token) from ``SEED`` (and the
-    layer and length, so each layer ranks afresh); ``recency``: the position, so the latest
-    tokens rank as most important. Baselines rank like measures (the same eligibility,
-    modes, rates and scopes) and say how much of a measure's effect any ranking gets.
+    ``random:SEED``: uniform scores drawn per (layer, head, token) from ``SEED``, the layer
+    and ``salt`` (a fingerprint of the sequence, :func:`sequence_salt`), so each layer and
+    each text ranks afresh and a run is reproducible; ``recency``: the position, so the
+    latest tokens rank as most important. Baselines rank like measures (the same
+    eligibility, modes, rates and scopes) and say how much of a measure's effect any
+    ranking gets.
     """
     h, t = call.num_heads, call.k_len
     device = call.query.device
@@ -65,9 +67,19 @@ def baseline_scores(name: str, call: LayerCall, n: int) -> Tensor | None:
         return torch.arange(t, device=device, dtype=torch.float32).expand(n, h, t).clone()
     if name.startswith("random:"):
         seed = int(name.partition(":")[2])
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + call.layer_idx * 7_919 + t)
+        mixed = (seed * 1_000_003 + call.layer_idx * 7_919 + t + salt * 104_729) % (2**63)
+        gen = torch.Generator().manual_seed(mixed)
         return torch.rand(h, t, generator=gen).to(device).expand(n, h, t).clone()
     return None
+
+
+def sequence_salt(ids: Tensor | Sequence[int]) -> int:
+    """A stable number from a sequence's token ids, so random baselines differ by text."""
+    import hashlib
+
+    values = ids.tolist() if isinstance(ids, Tensor) else list(ids)
+    digest = hashlib.sha256(",".join(map(str, values)).encode()).hexdigest()
+    return int(digest[:12], 16)
 
 
 def check_ranking(name: str) -> None:
@@ -147,6 +159,8 @@ class SequentialRemoval:
             ``value_zero`` (its projected value set to 0, no renormalisation: the paper's),
             ``key_mask`` (it leaves the softmax; the weights renormalise), ``mean_value``
             (its value replaced by the mean value the query sees).
+        salt: a fingerprint of the sequence (:func:`sequence_salt`) for the random
+            baselines, so each text gets its own random ranking.
     """
 
     def __init__(
@@ -161,6 +175,7 @@ class SequentialRemoval:
         block_bytes: int = 256 * 1024**2,
         keep_history: bool = False,
         how: str = "value_zero",
+        salt: int = 0,
     ) -> None:
         if scope not in SCOPES:
             raise ValueError(f"unknown scope {scope!r}; choose one of {', '.join(SCOPES)}")
@@ -169,6 +184,7 @@ class SequentialRemoval:
                 f"unknown intervention {how!r}; choose one of {', '.join(INTERVENTIONS)}"
             )
         self.how = how
+        self.salt = salt
         if scope == "global" and any(r.measure and r.threshold is None for r in removals):
             raise ValueError("global scope needs a threshold per removal (global_thresholds)")
         self.removals = list(removals)
@@ -194,7 +210,7 @@ class SequentialRemoval:
     def token_scores(self, call: LayerCall, rows: Sequence[int], measure: str) -> Tensor:
         """``(len(rows), H, T)``: s_j = mean over scoring queries i ≥ j of the measure (a
         baseline's own scores for ``recency`` and ``random:SEED``)."""
-        baseline = baseline_scores(measure, call, len(rows))
+        baseline = baseline_scores(measure, call, len(rows), self.salt)
         if baseline is not None:
             return baseline.to(self.compute_dtype)
         idx = torch.tensor(list(rows), device=call.query.device)
@@ -291,8 +307,12 @@ def global_thresholds(
     protect_sinks: bool = True,
     sink_cosine: float = SINK_COSINE,
     compute_dtype: torch.dtype = torch.float32,
+    salt: int | None = None,
 ) -> list[Removal]:
     """Removals with their global threshold, from one clean forward of ``input_ids`` ``(T,)``.
+
+    ``salt`` seeds the random baselines (default: :func:`sequence_salt` of ``input_ids``, as
+    :func:`~.batching.token_logprobs` uses for the same sequence).
 
     All (layer, head, eligible token) token scores of each measure in the clean pass are
     pooled; comprehensiveness at rate p uses their (1 − p)-quantile, sufficiency the
@@ -308,6 +328,7 @@ def global_thresholds(
         protect_sinks=protect_sinks,
         compute_dtype=compute_dtype,
         keep_history=True,
+        salt=sequence_salt(input_ids) if salt is None else salt,
     )
     with torch.no_grad(), tracking_sinks(model, sink_cosine) as sinks:
         probe.sinks = sinks
@@ -342,4 +363,5 @@ __all__ = [
     "column_sums_of",
     "global_thresholds",
     "removal_count",
+    "sequence_salt",
 ]

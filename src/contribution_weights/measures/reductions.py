@@ -104,10 +104,15 @@ def follows(name: str, measures: Sequence[str]) -> str | None:
     """The measure among ``measures`` whose block ``name``'s reductions follow from (its
     :class:`~.registry.RowScaled` or :class:`~.registry.AbsoluteOf` base, computed itself),
     or None when ``name`` is reduced from its own block."""
-    algebra = get_measure(name).algebra
+    measure = get_measure(name)
+    algebra = measure.algebra
     if not isinstance(algebra, RowScaled | AbsoluteOf) or algebra.base not in measures:
         return None
-    return algebra.base if get_measure(algebra.base).algebra is None else None
+    base = get_measure(algebra.base)
+    # entropies and top keys are shared only between weights (non-weights keep neither)
+    if base.algebra is not None or not (base.is_weight and measure.is_weight):
+        return None
+    return algebra.base
 
 
 class ReductionAccumulator:
