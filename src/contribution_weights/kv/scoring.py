@@ -10,7 +10,11 @@ Speed. When no chosen method needs every query's attention (H2O, H2O with a rece
 window, VATP and observed attention do; SnapKV, TOVA, the window methods, contribution,
 CriticalKV on SnapKV, expected attention, KeyDiff, key norm and StreamingLLM do not),
 the observer names the window's queries (``query_rows``): every layer then runs on the
-model's own sdpa kernel, and only the window's probabilities are computed eagerly.
+model's own sdpa kernel, and only the window's probabilities are computed eagerly. The
+cache and logits then come from sdpa, not eager attention, and differ by float rounding
+(about 1e-8 in float64 here) from a prefill whose methods need every query: compare methods
+from one prefill (as ``cw kv-eval`` does within a run), not across runs with different
+method sets.
 
 Memory. Capture shows the observer the attention probabilities block by block (query
 rows, see :mod:`~contribution_weights.capture`). The observer keeps, per layer, only
