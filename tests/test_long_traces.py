@@ -532,3 +532,51 @@ def test_all_can_be_extended():
     assert everything[-1] == "distance" and "ihc" not in everything
     assert resolve_measures(["all"]) == resolve_measures("all")
     assert "distance" not in resolve_measures("all")
+
+
+def test_cli_steps_after_a_streamed_trace_read_bounded_blocks(tmp_path, monkeypatch):
+    """`cw trace --out`: the summary, summary.json and figures after the forward read no
+    whole layer, nor even a whole (T, T) head: at most one block (here T*T/4 elements)
+    at a time, and the summary reads no map at all (it comes from the kept reductions)."""
+    from tiny_models import save_tiny
+
+    from contribution_weights.cli import main
+    from contribution_weights.tracing import maps as maps_module
+    from contribution_weights.tracing import result as result_module
+    from contribution_weights.tracing.storage import PackedMaps
+
+    folder = save_tiny("qwen2", tmp_path / "m")
+    out = tmp_path / "o"
+    text = "The cat sat on the mat and looked at the dog, which slept by the door all day."
+    reads: list[int] = []
+    limit: dict[str, int] = {}
+    original = PackedMaps.read
+
+    def bounded_read(self, name, pos, heads, rows):
+        got = original(self, name, pos, heads, rows)
+        reads.append(got.numel())
+        assert got.numel() <= limit["elements"], (name, pos, heads, rows, got.shape)
+        return got
+
+    def no_whole_map(self):
+        raise AssertionError(f"the whole {self.name!r} map was loaded")
+
+    monkeypatch.setattr(PackedMaps, "read", bounded_read)
+    monkeypatch.setattr(maps_module.MeasureMap, "tensor", no_whole_map)
+    t = len(cw.load_model(str(folder)).tokenizer(text)["input_ids"])
+    assert t >= 16
+    limit["elements"] = t * t // 4
+    monkeypatch.setattr(result_module, "_READ_ELEMENTS", t * t // 4)
+    args = ["trace", "--text", text, "--model", str(folder), "--out", str(out)]
+    assert main([*args, "--top-k", "2"]) == 0  # top-k below the default: summary still kept
+    assert (out / "heatmaps.png").exists() and (out / "first_token_weight.png").exists()
+    assert reads  # the heatmaps read the maps, block by block
+
+    # the summary (and summary.json) of a streamed trace read no map at all
+    tr = cw.Trace.load(out)
+    assert tr.num_tokens == t
+    limit["elements"] = 0
+    reads.clear()
+    summary = tr.summary()
+    tr.save(out)  # rewrites the metadata, summary.json included
+    assert not summary.empty and not reads

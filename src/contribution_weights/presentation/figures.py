@@ -29,6 +29,7 @@ ALL_LABELS_UP_TO = 64  # texts up to this many tokens get every token on the axe
 SUBSET_LABELS = 32  # longer texts: about this many evenly spaced tokens, with their index
 CLIP_PERCENTILE = 99.5  # colour limits: this percentile of |w| (larger values saturate)
 MASKED = "#eceef2"  # keys after the query (not attended), as in the HTML report
+HEATMAP_CELLS = 1024  # a heatmap shows at most this many cells a side (longer: bin means)
 
 
 # ---- the figure of each kind of result ------------------------------------------------------
@@ -113,7 +114,10 @@ def sink_heads(trace: Trace, count: int = 3) -> list[tuple[int, int]]:
         head = 0
         if {"attention", "contribution"} <= set(trace.measures):
             # mean over queries of each head's weight on token 0, from the reductions
-            first = {m: trace.reduced(m).first[pos].mean(-1) for m in ("attention", "contribution")}
+            first = {
+                m: trace.kept_reductions(m).first[pos].mean(-1)
+                for m in ("attention", "contribution")
+            }
             head = int((first["attention"] - first["contribution"]).argmax())
         pairs.append((trace.layers[pos], head))
     return pairs
@@ -168,6 +172,41 @@ def _axis_labels(ax: Any, tokens: Sequence[str], t: int) -> None:
     ax.set_yticks(ticks, labels, fontsize=size)
 
 
+def head_view(
+    trace: Trace, name: str, pos: int, head: int, cells: int | None = None
+) -> tuple[np.ndarray, int]:
+    """``(view, span)``: one head's map as drawn, read in bounded row blocks.
+
+    Up to ``cells`` (default :data:`HEATMAP_CELLS`) tokens the view is the ``(T, T)`` map
+    itself; beyond, each cell is the mean of the attended (key ≤ query) weights in a bin
+    of ``b`` queries × ``b`` keys, ``b = ceil(T / cells)``, so the view is at most
+    ``cells × cells``. Keys after the query are NaN. ``span`` is the number of tokens
+    the view covers (``T`` rounded up to a whole bin), for the image's extent.
+    """
+    t = trace.num_tokens
+    limit = HEATMAP_CELLS if cells is None else cells
+    b = max(1, math.ceil(t / max(1, limit)))
+    n = math.ceil(t / b)
+    sums = np.zeros((n, n))
+    counts = np.zeros((n, n))
+    keys = np.arange(n * b)
+    for q0, block in trace.iter_blocks(name, pos, slice(head, head + 1)):
+        w = block[0].detach().to("cpu", torch.float64).numpy()
+        rows = w.shape[0]
+        queries = np.arange(q0, q0 + rows)
+        seen = keys[None, :] <= queries[:, None]
+        seen[:, t:] = False
+        full = np.zeros((rows, n * b))
+        full[:, :t] = w
+        full[~seen] = 0.0
+        row_bins = queries // b
+        np.add.at(sums, row_bins, full.reshape(rows, n, b).sum(-1))
+        np.add.at(counts, row_bins, seen.reshape(rows, n, b).sum(-1))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        view = np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
+    return view, n * b
+
+
 def plot_heatmaps(
     trace: Trace,
     pairs: Sequence[tuple[int, int]] | None = None,
@@ -180,7 +219,9 @@ def plot_heatmaps(
     to a robust limit, the :data:`CLIP_PERCENTILE` percentile of |w| in the panel (larger
     values saturate; the colour bar's arrow says so): signed measures on a diverging
     scale symmetric about 0 (red adds to the output, blue opposes it), unsigned ones
-    from 0. Grey cells are keys after the query.
+    from 0. Grey cells are keys after the query. A trace longer than
+    :data:`HEATMAP_CELLS` tokens is shown binned (:func:`head_view`), read in bounded
+    blocks: a figure of a long streamed trace never loads a whole head or layer.
     """
     measures = [m for m in measures if m in trace] or list(trace.measures)[:2]
     pairs = list(pairs) if pairs else sink_heads(trace)
@@ -192,15 +233,13 @@ def plot_heatmaps(
         figsize=(size * len(measures) + 1.5, size * len(pairs)),
         squeeze=False,
     )
-    mask = np.triu(np.ones((t, t), dtype=bool), 1)
     for r, (layer, head) in enumerate(pairs):
         pos = trace.layer_position(layer)
         if not 0 <= head < trace.num_heads:
             raise ValueError(f"head {head} out of range: the model has {trace.num_heads} heads")
         for c, name in enumerate(measures):
             ax = axes[r][c]
-            w = trace[name][pos, head].detach().to("cpu", torch.float64).numpy().copy()
-            w[mask] = np.nan
+            w, span = head_view(trace, name, pos, head)
             limit = colour_limit(w)
             signed = get_measure(name).signed or bool(np.nanmin(w) < 0)
             if signed:
@@ -209,7 +248,10 @@ def plot_heatmaps(
             else:
                 cmap = plt.get_cmap("viridis").with_extremes(bad=MASKED)
                 norm = mcolors.PowerNorm(0.5, vmin=0.0, vmax=limit, clip=False)
-            im = ax.imshow(w, cmap=cmap, norm=norm, interpolation="nearest")
+            extent = (-0.5, span - 0.5, span - 0.5, -0.5)  # token coordinates when binned
+            im = ax.imshow(w, cmap=cmap, norm=norm, interpolation="nearest", extent=extent)
+            ax.set_xlim(-0.5, t - 0.5)
+            ax.set_ylim(t - 0.5, -0.5)
             ax.set_title(f"{name} — layer {layer}, head {head}", fontsize=9)
             ax.set_xlabel("key")
             ax.set_ylabel("query")

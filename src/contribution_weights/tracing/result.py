@@ -177,13 +177,18 @@ class Trace:
         )
         return recipe.derive(factors)
 
-    def iter_blocks(self, name: str, pos: int) -> Iterator[tuple[int, Tensor]]:
-        """``(first_query, (H, I, T))`` blocks of one layer's map, of bounded size."""
+    def iter_blocks(
+        self, name: str, pos: int, heads: slice | None = None
+    ) -> Iterator[tuple[int, Tensor]]:
+        """``(first_query, (H, I, T))`` blocks of one layer's map (of the ``heads`` asked
+        for, default all), of bounded size: never a whole layer of a long trace at once."""
         t = self.num_tokens
-        step = max(1, _READ_ELEMENTS // max(1, self.num_heads * t))
+        heads = slice(0, self.num_heads) if heads is None else heads
+        count = len(range(self.num_heads)[heads])
+        step = max(1, _READ_ELEMENTS // max(1, count * t))
         for q0 in range(0, t, step):
             q1 = min(t, q0 + step)
-            yield q0, self._read(name, pos, slice(0, self.num_heads), slice(q0, q1))
+            yield q0, self._read(name, pos, heads, slice(q0, q1))
 
     # ---- reductions and aggregates --------------------------------------------------
     def reduced(self, name: str, top_k: int = DEFAULT_TOP_K) -> MeasureReductions:
@@ -208,17 +213,24 @@ class Trace:
         self.reductions[name] = acc.results[name]
         return self.reductions[name]
 
+    def kept_reductions(self, name: str) -> MeasureReductions:
+        """The reductions of a measure as kept, whatever their top-k (token scores, first
+        token, entropy do not depend on it): those a streamed trace or one without maps
+        computed during the forward are used as they are, never recomputed from the maps."""
+        have = self.reductions.get(name) if name in self.measures else None
+        return have if have is not None else self.reduced(name)
+
     def token_scores(self, name: str) -> Tensor:
         """``(L, H, T)``: mean over queries i ≥ j of the measure (the faithfulness score)."""
-        return self.reduced(name).token_scores()
+        return self.kept_reductions(name).token_scores()
 
     def first_token_weight(self, name: str) -> Tensor:
         """``(L,)``: per-layer first-token weight of the normalised measure."""
-        return self.reduced(name).first_token_weight()
+        return self.kept_reductions(name).first_token_weight()
 
     def entropy(self, name: str, exclude_first: bool = False) -> float:
         """Mean over layers, heads and queries of the per-query entropy (paper Table 5)."""
-        return self.reduced(name).mean_entropy(exclude_first)
+        return self.kept_reductions(name).mean_entropy(exclude_first)
 
     def top_k(self, name: str, k: int = DEFAULT_TOP_K) -> tuple[Tensor, Tensor]:
         """``(values, keys)``, each ``(L, H, T, k)`` whatever T is: per query, the k keys
