@@ -10,7 +10,10 @@ Edu item of C tokens, or a repeated text without the data), times the median of
 * ``capture``: the same forward on the capture path with no observer (eager recomputed);
 * ``scored``: :func:`contribution_weights.kv.prefill` (capture + the statistics observer:
   accumulated attention, window probabilities, window |ĉ|);
-* ``methods``: every registered method's scores and kept sets at ratio 0.5, from the stats.
+* ``methods``: every registered method's scores and kept sets at ratio 0.5, from the stats;
+* ``windowed``: :func:`contribution_weights.kv.prefill` for the methods that read only the
+  observation window (no accumulated attention): the layers run on sdpa and only the
+  window's queries are eager.
 
 and reports each as a fraction of ``prefill``. Scoring overhead = (scored − prefill +
 methods) / prefill. Run with ``OMP_NUM_THREADS=1`` for stable numbers.
@@ -66,6 +69,13 @@ def main() -> int:
         def scored(ids: Any = ids) -> Any:
             return cw.kv.prefill(model, ids)
 
+        window_only = [
+            m.name for m in cw.kv.METHODS if "attn_sum" not in cw.kv.methods.method_needs(m)
+        ]
+
+        def windowed(ids: Any = ids, names: list[str] = window_only) -> Any:
+            return cw.kv.prefill(model, ids, methods=names)
+
         pre = scored()
 
         def methods(pre: Any = pre) -> None:
@@ -75,7 +85,13 @@ def main() -> int:
                     cw.kv.kept_positions(spec.score(stats), 0.5)
 
         t = interleaved_medians(
-            {"prefill": plain, "capture": captured, "scored": scored, "methods": methods},
+            {
+                "prefill": plain,
+                "capture": captured,
+                "scored": scored,
+                "windowed": windowed,
+                "methods": methods,
+            },
             args.repeats,
         )
         row = {
@@ -85,6 +101,8 @@ def main() -> int:
             "scored_over_prefill": round(t["scored"] / t["prefill"], 3),
             "observer_over_prefill": round((t["scored"] - t["capture"]) / t["prefill"], 3),
             "methods_over_prefill": round(t["methods"] / t["prefill"], 3),
+            "windowed_over_prefill": round(t["windowed"] / t["prefill"], 3),
+            "window_methods": window_only,
             "scoring_overhead": round(
                 (t["scored"] - t["prefill"] + t["methods"]) / t["prefill"], 3
             ),
