@@ -373,12 +373,26 @@ def test_methods_are_parameterised_units() -> None:
     assert any(not torch.equal(flipped.kept[i], h2o.kept[i]) for i in h2o.kept)
 
 
-def test_a_method_registered_from_outside_runs_in_kv_eval(tmp_path: Any, capsys: Any) -> None:
-    from dataclasses import dataclass
-
+def _kv_eval_cli(tmp_path: Any, methods: str, capsys: Any) -> Any:
+    """``cw kv-eval`` on a tiny saved model and two texts (2 LM items of C = 128); the folder."""
     from tiny_models import save_tiny
 
     from contribution_weights.cli import main
+
+    folder = save_tiny("llama", tmp_path / "model")
+    texts = tmp_path / "texts.jsonl"
+    lines = [json.dumps({"text": word * 60}) for word in ("abcdefghij", "klmnopqrst")]
+    texts.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "run"
+    code = main(["kv-eval", "--model", str(folder), "--texts", str(texts), "--methods", methods,
+                 "--ratios", "0,0.5", "--context-tokens", "128", "--n", "2",
+                 "--out", str(out)])  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    return out
+
+
+def test_a_method_registered_from_outside_runs_in_kv_eval(tmp_path: Any, capsys: Any) -> None:
+    from dataclasses import dataclass
 
     @dataclass(frozen=True)
     class LastKeys(kv.Method):
@@ -393,15 +407,7 @@ def test_a_method_registered_from_outside_runs_in_kv_eval(tmp_path: Any, capsys:
 
     kv.register_method(LastKeys("last_keys", "the most recent keys"))
     try:
-        folder = save_tiny("llama", tmp_path / "model")
-        texts = tmp_path / "texts.jsonl"
-        lines = [json.dumps({"text": word * 60}) for word in ("abcdefghij", "klmnopqrst")]
-        texts.write_text("\n".join(lines) + "\n")
-        out = tmp_path / "run"
-        code = main(["kv-eval", "--model", str(folder), "--texts", str(texts), "--methods",
-                     "last_keys,h2o", "--ratios", "0,0.5", "--context-tokens", "128",
-                     "--n", "2", "--out", str(out)])  # fmt: skip
-        assert code == 0, capsys.readouterr().err
+        out = _kv_eval_cli(tmp_path, "last_keys,h2o", capsys)
         rows = pd.read_csv(out / "per_item.csv")
         assert set(rows["method"]) == {"none", "last_keys", "h2o"}
         assert "last_keys" in (out / "summary.csv").read_text()
@@ -597,19 +603,8 @@ def test_new_methods_keep_the_budget_and_their_protected_entries() -> None:
 
 
 def test_new_methods_are_registered_and_run_in_kv_eval(tmp_path: Any, capsys: Any) -> None:
-    from tiny_models import save_tiny
-
-    from contribution_weights.cli import main
 
     assert kv.resolve_methods(",".join(NEW_METHODS)) == NEW_METHODS
-    folder = save_tiny("llama", tmp_path / "model")
-    texts = tmp_path / "texts.jsonl"
-    lines = [json.dumps({"text": word * 60}) for word in ("abcdefghij", "klmnopqrst")]
-    texts.write_text("\n".join(lines) + "\n")
-    out = tmp_path / "run"
-    code = main(["kv-eval", "--model", str(folder), "--texts", str(texts), "--methods",
-                 ",".join(NEW_METHODS), "--ratios", "0,0.5", "--context-tokens", "128",
-                 "--n", "2", "--out", str(out)])  # fmt: skip
-    assert code == 0, capsys.readouterr().err
+    out = _kv_eval_cli(tmp_path, ",".join(NEW_METHODS), capsys)
     rows = pd.read_csv(out / "per_item.csv")
     assert set(rows["method"]) == {"none", *NEW_METHODS}
