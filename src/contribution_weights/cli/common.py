@@ -298,3 +298,9 @@ def check_heads(
             )
         out.append((idx, head))
     return out
+
+
+def print_written(folder: Path) -> None:
+    """The last line of a run: every file the run folder holds, read from the disk."""
+    written = sorted(p.name for p in Path(folder).iterdir() if p.is_file())
+    print(f"wrote {folder}/{', '.join(written)}")

@@ -21,6 +21,7 @@ from .common import (
     load_corpus,
     model_device,
     positive_int,
+    print_written,
 )
 from .options import add_options, options_from_args
 
@@ -225,6 +226,5 @@ def run(args: argparse.Namespace, spec: ExperimentSpec) -> int:
     empty = summary is not None and getattr(summary, "empty", False)
     if figure and not empty and figure_for(result) is not None:
         plot(result, args.out / figure)
-    written = sorted(p.name for p in Path(args.out).iterdir() if p.is_file())
-    print(f"wrote {args.out}/{', '.join(written)}")
+    print_written(args.out)
     return 0

@@ -13,6 +13,7 @@ from .common import (
     fit_corpus,
     load_corpus,
     model_device,
+    print_written,
 )
 from .options import add_options, options_from_args
 
@@ -65,6 +66,5 @@ def run(args: argparse.Namespace) -> int:
     md = write_markdown(result, args.out / "tables.md", title)
     write_figures(result, args.out, title=model.name)
     print(md)
-    written = sorted(p.name for p in Path(args.out).iterdir() if p.is_file())
-    print(f"wrote {args.out}/{', '.join(written)}")
+    print_written(args.out)
     return 0
