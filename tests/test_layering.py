@@ -14,7 +14,8 @@ LAYERS = [
     {"families", "measures", "progress", "runs", "data", "tracing.storage"},
     {"capture", "loading", "tracing.maps", "tracing.format", "tracing.result"},
     {"interventions", "inputs", "kv"},
-    {"tracing", "experiments"},
+    {"tracing", "experiments", "attribution"},
+    {"attribution"},  # reads experiments.options (the shared option machinery)
     {"presentation"},
     {"cli"},
     {"__init__", "__main__"},

@@ -21,8 +21,9 @@ functions included, by ``tests/test_layering.py``):
    result: ``tracing.maps``, ``tracing.format`` (the folder), ``tracing.result`` (``Trace``);
 3. ``interventions`` (every intervention, and running them as batched forwards),
    ``inputs`` (encoding texts, resolving layers), ``kv`` (KV-cache compression);
-4. ``tracing`` (options, preflight, recorder, ``trace()``) and ``experiments``
-   (faithfulness, downstream, geometry, kv-eval on one runner);
+4. ``tracing`` (options, preflight, recorder, ``trace()``), ``experiments``
+   (faithfulness, downstream, geometry, kv-eval, attribution-eval on one runner) and
+   ``attribution`` (end-to-end attribution: contribution flow and its baselines);
 5. ``presentation`` (figures, Markdown, the HTML report);
 6. ``cli``, then this package's ``__init__`` and ``__main__``.
 

@@ -42,6 +42,10 @@ class FamilySpec:
         layers_path: dotted path from the causal-LM model to its list of decoder layers.
         softmax_float32: the family's eager attention takes the softmax in float32
             before casting back (all but GPT-2).
+        attention: attribute of a decoder layer holding its attention module.
+        attention_output_norm: attribute of a decoder layer holding a norm applied to the
+            attention output before it joins the residual stream (Gemma 2 and 3), or None.
+        final_norm: dotted path from the causal-LM model to the norm before the unembedding.
         notes: quirks, for the documentation.
     """
 
@@ -50,6 +54,9 @@ class FamilySpec:
     projection_kind: Literal["linear", "conv1d"] = "linear"
     layers_path: str = "model.layers"
     softmax_float32: bool = True
+    attention: str = "self_attn"
+    attention_output_norm: str | None = None
+    final_norm: str = "model.norm"
     notes: str = ""
 
     def output_weight(
@@ -70,16 +77,34 @@ class FamilySpec:
 
     def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
         """The model's decoder layers, in order."""
-        obj: object = model
-        for part in self.layers_path.split("."):
-            if not hasattr(obj, part):
-                raise UnsupportedModelError(
-                    f"{type(model).__name__} has no {self.layers_path!r} "
-                    f"(stopped at {part!r}); fix layers_path for {self.model_type!r}."
-                )
-            obj = getattr(obj, part)
+        obj = self._walk(model, self.layers_path, "layers_path")
         if not isinstance(obj, nn.ModuleList):
             raise UnsupportedModelError(f"{self.layers_path!r} is not a ModuleList")
+        return obj
+
+    def final_norm_module(self, model: nn.Module) -> nn.Module:
+        """The norm applied to the last residual stream before the unembedding."""
+        obj = self._walk(model, self.final_norm, "final_norm")
+        if not isinstance(obj, nn.Module):
+            raise UnsupportedModelError(f"{self.final_norm!r} is not a module")
+        return obj
+
+    def attention_module(self, layer: nn.Module) -> nn.Module:
+        """A decoder layer's attention module."""
+        obj = self._walk(layer, self.attention, "attention")
+        if not isinstance(obj, nn.Module):
+            raise UnsupportedModelError(f"{self.attention!r} is not a module")
+        return obj
+
+    def _walk(self, root: nn.Module, path: str, field_name: str) -> object:
+        obj: object = root
+        for part in path.split("."):
+            if not hasattr(obj, part):
+                raise UnsupportedModelError(
+                    f"{type(root).__name__} has no {path!r} (stopped at {part!r}); "
+                    f"fix {field_name} for {self.model_type!r}."
+                )
+            obj = getattr(obj, part)
         return obj
 
 
@@ -99,9 +124,23 @@ for _spec in (
     FamilySpec("qwen2", notes="q/k/v bias, no o_proj bias"),
     FamilySpec("qwen3", notes="q/k RMSNorm per head"),
     FamilySpec("gemma", notes="head_dim independent of hidden size"),
-    FamilySpec("gemma2", notes="attention logit soft-capping; alternating sliding window"),
-    FamilySpec("gemma3", layers_path="model.language_model.layers", notes="multimodal wrapper"),
-    FamilySpec("gemma3_text", notes="q/k norm; sliding window on 5 of 6 layers; GQA"),
+    FamilySpec(
+        "gemma2",
+        attention_output_norm="post_attention_layernorm",
+        notes="attention logit soft-capping; alternating sliding window",
+    ),
+    FamilySpec(
+        "gemma3",
+        layers_path="model.language_model.layers",
+        attention_output_norm="post_attention_layernorm",
+        final_norm="model.language_model.norm",
+        notes="multimodal wrapper",
+    ),
+    FamilySpec(
+        "gemma3_text",
+        attention_output_norm="post_attention_layernorm",
+        notes="q/k norm; sliding window on 5 of 6 layers; GQA",
+    ),
     FamilySpec("phi3", notes="fused qkv_proj"),
     FamilySpec(
         "gpt2",
@@ -109,12 +148,16 @@ for _spec in (
         projection_kind="conv1d",
         layers_path="transformer.h",
         softmax_float32=False,
+        attention="attn",
+        final_norm="transformer.ln_f",
         notes="Conv1D output projection with bias; learned positions",
     ),
     FamilySpec(
         "gpt_neox",
         output_projection="dense",
         layers_path="gpt_neox.layers",
+        attention="attention",
+        final_norm="gpt_neox.final_layer_norm",
         notes="fused query_key_value; dense output projection with bias; partial RoPE",
     ),
 ):

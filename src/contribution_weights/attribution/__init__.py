@@ -1,0 +1,1 @@
+"""End-to-end attribution: which input tokens drove a prediction (method §7)."""

@@ -1,0 +1,94 @@
+"""The attribution methods, found by name (light: names and where each lives).
+
+An :class:`AttributionMethod` names the function that computes it as ``"module:function"``
+inside this package (imported on first use), so the command line can list and check
+names without importing torch. Register another with :func:`register_attribution_method`;
+its function takes ``(model, ids, targets, options)`` and returns a
+:class:`~.run.MethodOutput`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..registry import Registry
+
+
+@dataclass(frozen=True)
+class AttributionMethod:
+    """One way to attribute a prediction to input tokens.
+
+    Attributes:
+        name: what users type (``--method NAME``).
+        entry: ``"module:function"``, relative to this package, or a callable's dotted path.
+        description: one line for ``cw attribute --list`` and the docs.
+        scalar: whether it explains a scalar target (gradient methods); pure flows
+            (rollouts) explain the position's final state and ignore the token.
+        cost: its cost in forward passes, for the listing.
+        aliases: other accepted spellings.
+    """
+
+    name: str
+    entry: str
+    description: str
+    scalar: bool = True
+    cost: str = ""
+    aliases: tuple[str, ...] = ()
+
+
+METHODS: Registry[AttributionMethod] = Registry("attribution method")
+
+
+def register_attribution_method(method: AttributionMethod) -> AttributionMethod:
+    """Add (or replace) an attribution method."""
+    return METHODS.register(method)
+
+
+for _method in (
+    AttributionMethod(
+        "flow",
+        "run:flow_method",
+        "contribution flow: projection shares with the residual stream, composed top down "
+        "and projected on the target (method §7)",
+        cost="~1.5 forwards",
+        aliases=("contribution_flow",),
+    ),
+    AttributionMethod(
+        "rollout",
+        "run:rollout_method",
+        "attention rollout (Abnar & Zuidema 2020): head-mean attention with ½ identity, "
+        "composed; a pure flow",
+        scalar=False,
+        cost="~1.5 forwards",
+    ),
+    AttributionMethod(
+        "alti",
+        "run:alti_method",
+        "ALTI-style rollout (Ferrando et al. 2022): L1-distance shares with the residual, "
+        "composed; a pure flow",
+        scalar=False,
+        cost="O(T² d) per layer",
+    ),
+    AttributionMethod(
+        "integrated_gradients",
+        "run:integrated_gradients_method",
+        "integrated gradients on the input embeddings (captum), zero baseline",
+        cost="steps forwards + backwards",
+        aliases=("ig",),
+    ),
+    AttributionMethod(
+        "input_x_gradient",
+        "run:input_x_gradient_method",
+        "input × gradient on the input embeddings (captum)",
+        cost="1 forward + backward",
+        aliases=("ixg",),
+    ),
+    AttributionMethod(
+        "feature_ablation",
+        "run:feature_ablation_method",
+        "each token's embedding set to zero in turn (captum)",
+        cost="T forwards",
+        aliases=("ablation",),
+    ),
+):
+    register_attribution_method(_method)

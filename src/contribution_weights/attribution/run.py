@@ -1,0 +1,275 @@
+"""``attribute``: which input tokens drove a prediction, by one or several methods."""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..inputs import encode, token_strings
+from ..loading import LoadedModel
+from .flow import extract_routes, forward_factors, propagate
+from .methods import METHODS
+from .options import AttributeOptions
+from .result import Attribution, Edge, Routes
+from .targets import Target, TargetError, target_values, targets_for
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+@dataclass
+class MethodOutput:
+    """What one method returns: ``scores`` ``(n, T)`` and, where it decomposes a value,
+    that value and the remainder no token receives."""
+
+    scores: Tensor
+    explained: Tensor | None = None
+    remainder: Tensor | None = None
+
+
+MethodFunction = Callable[[LoadedModel, Tensor, list[Target], AttributeOptions], MethodOutput]
+
+
+def _pad(scores: Tensor, length: int) -> Tensor:
+    """Scores over the first T' positions, padded with zeros to all ``length`` tokens
+    (no token after the last target can drive it)."""
+    if scores.shape[1] == length:
+        return scores
+    out = scores.new_zeros(scores.shape[0], length)
+    out[:, : scores.shape[1]] = scores
+    return out
+
+
+def _flow_rule(rule: str) -> MethodFunction:
+    def run(
+        model: LoadedModel, ids: Tensor, targets: list[Target], options: AttributeOptions
+    ) -> MethodOutput:
+        dtype = _DTYPES[options.compute_dtype]
+        if rule != "flow":  # pure flows: the position's final state, whatever the token
+            targets = [replace(t, quantity="flow", foil=None) for t in targets]
+        fwd, resolved = forward_factors(
+            model, ids, targets, dtype=dtype, keep_states=rule == "alti"
+        )
+        out = propagate(model, fwd, resolved, rule=rule)
+        return MethodOutput(_pad(out.scores, ids.numel()), out.explained, out.remainder)
+
+    return run
+
+
+flow_method = _flow_rule("flow")
+rollout_method = _flow_rule("rollout")
+alti_method = _flow_rule("alti")
+
+
+def _scalar_only(targets: list[Target], name: str) -> None:
+    if any(not t.projected for t in targets):
+        raise TargetError(
+            f"{name} explains a scalar; a pure flow target has none: pick --quantity "
+            "logprob, logit or contrast"
+        )
+
+
+def integrated_gradients_method(
+    model: LoadedModel, ids: Tensor, targets: list[Target], options: AttributeOptions
+) -> MethodOutput:
+    from .gradients import integrated_gradients
+
+    _scalar_only(targets, "integrated gradients")
+    return MethodOutput(integrated_gradients(model, ids, targets, steps=options.steps))
+
+
+def input_x_gradient_method(
+    model: LoadedModel, ids: Tensor, targets: list[Target], options: AttributeOptions
+) -> MethodOutput:
+    from .gradients import input_x_gradient
+
+    _scalar_only(targets, "input × gradient")
+    return MethodOutput(input_x_gradient(model, ids, targets))
+
+
+def feature_ablation_method(
+    model: LoadedModel, ids: Tensor, targets: list[Target], options: AttributeOptions
+) -> MethodOutput:
+    from .gradients import feature_ablation
+
+    _scalar_only(targets, "feature ablation")
+    return MethodOutput(feature_ablation(model, ids, targets))
+
+
+def method_function(name: str) -> MethodFunction:
+    """The function of a registered method (imported on first use)."""
+    entry = METHODS.get(name).entry
+    module, _, func = entry.partition(":")
+    where = importlib.import_module(f"{__package__}.{module}" if "." not in module else module)
+    fn: MethodFunction = getattr(where, func)
+    return fn
+
+
+def token_id(tokenizer: Any, token: int | str, what: str = "token") -> int:
+    """A token given as an id or as its text (which must be exactly one token)."""
+    if isinstance(token, int):
+        return token
+    ids = tokenizer(token, add_special_tokens=False)["input_ids"]
+    if len(ids) != 1:
+        pieces = [tokenizer.decode([i]) for i in ids]
+        raise TargetError(
+            f"the {what} {token!r} is {len(ids)} tokens ({pieces!r}), not one; pass a single "
+            "token's text (mind the leading space, e.g. ' Paris') or its id"
+        )
+    return int(ids[0])
+
+
+def targets_of(
+    tokenizer: Any, ids: Tensor, options: AttributeOptions, vocab_size: int | None
+) -> tuple[Tensor, list[Target]]:
+    """The ids with the continuation appended, and the checked, unresolved targets: needs
+    only the tokenizer (the command line checks a target before the model loads)."""
+    continuation = None
+    if options.continuation is not None:
+        cont = tokenizer(options.continuation, add_special_tokens=False)["input_ids"]
+        if not cont:
+            raise TargetError("the continuation has no tokens: pass some text")
+        continuation = [int(i) for i in cont]
+        ids = torch.cat([ids, torch.tensor(continuation, dtype=ids.dtype)])
+    token = None if options.token is None else token_id(tokenizer, options.token)
+    foil = None if options.foil is None else token_id(tokenizer, options.foil, "foil")
+    targets = targets_for(
+        ids.numel(),
+        position=options.position,
+        token=token,
+        foil=foil,
+        quantity=options.quantity,
+        continuation=continuation,
+        vocab_size=vocab_size,
+    )
+    return ids, targets
+
+
+def prepare(
+    model: LoadedModel, text: str | Sequence[int] | Tensor, options: AttributeOptions
+) -> tuple[Tensor, list[Target]]:
+    """The input ids (continuation appended) and the checked, unresolved targets."""
+    ids = encode(model, text, options.max_tokens, options.truncate)
+    vocab = getattr(model.text_config, "vocab_size", None)
+    return targets_of(model.tokenizer, ids, options, vocab)
+
+
+def _resolved(
+    model: LoadedModel, ids: Tensor, targets: list[Target]
+) -> tuple[list[Target], Tensor]:
+    """The targets with the model's top predictions filled in, and their exact values."""
+    from .targets import resolve
+
+    positions = torch.tensor([t.position for t in targets])
+    with torch.no_grad():
+        logits = model.model(input_ids=ids[None].to(model.device), use_cache=False).logits[0]
+    rows = logits[positions.to(logits.device)].float()
+    resolved = resolve(targets, rows)
+    return resolved, target_values(rows, resolved)
+
+
+def attribute(
+    model: LoadedModel,
+    text: str | Sequence[int] | Tensor,
+    options: AttributeOptions | None = None,
+    *,
+    progress: bool | None = None,
+    **overrides: Any,
+) -> Attribution:
+    """Which input tokens drove the prediction(s) asked for, by each method (method §7).
+
+    Args:
+        model: a :class:`LoadedModel` (``cw.load_model()``).
+        text: the input text (or ids); with ``continuation=``, the prompt.
+        options: an :class:`AttributeOptions`, or its fields as keywords: ``position``
+            (default the last), ``token`` (text or id; default the model's top
+            prediction), ``quantity`` (``"logprob"``, ``"logit"``, ``"contrast"`` with
+            ``foil=``, ``"flow"``), ``continuation``, ``methods`` (default ``["flow"]``;
+            also a comma string or ``"all"``), ``steps``, ``routes``, ``threshold``,
+            ``compute_dtype``.
+
+    Returns:
+        An :class:`Attribution`: ``result["flow"]`` is ``(n_targets, T)``,
+        ``result.top(10)`` the ten strongest tokens, ``result.summary()`` a few lines.
+    """
+    if "method" in overrides:
+        overrides["methods"] = overrides.pop("method")
+    if "target" in overrides:
+        target = overrides.pop("target")
+        if isinstance(target, int):
+            overrides["position"] = target
+        elif isinstance(target, Target):
+            overrides.update(
+                position=target.position,
+                token=target.token,
+                quantity=target.quantity,
+                foil=target.foil,
+            )
+        else:
+            raise TargetError(f"target must be a position or a Target, not {type(target).__name__}")
+    if options is None:
+        options = AttributeOptions(**overrides)
+    elif overrides:
+        options = options.replace(**overrides)
+    ids, targets = prepare(model, text, options)
+    if options.routes and "flow" not in options.methods:
+        raise TargetError("routes are read from the contribution flow: add 'flow' to the methods")
+    targets, values = _resolved(model, ids, targets)
+    scores: dict[str, Tensor] = {}
+    explained: dict[str, list[float]] = {}
+    remainder: dict[str, list[float]] = {}
+    seconds: dict[str, float] = {}
+    nan = [float("nan")] * len(targets)
+    for name in options.methods:
+        fn = method_function(name)
+        start = time.perf_counter()
+        out = fn(model, ids, targets, options)
+        seconds[name] = time.perf_counter() - start
+        scores[name] = out.scores.detach().double().cpu()
+        explained[name] = nan if out.explained is None else out.explained.double().tolist()
+        remainder[name] = nan if out.remainder is None else out.remainder.double().tolist()
+    routes = _routes(model, ids, targets, options) if options.routes else None
+    tokens = token_strings(model, ids)
+    target_tokens = [_target_text(model, t) for t in targets]
+    return Attribution(
+        model=model.name,
+        tokens=tokens,
+        ids=[int(i) for i in ids],
+        targets=targets,
+        target_tokens=target_tokens,
+        values=[float(v) for v in values],
+        scores=scores,
+        explained=explained,
+        remainder=remainder,
+        seconds=seconds,
+        routes=routes,
+    )
+
+
+def _target_text(model: LoadedModel, target: Target) -> str:
+    assert target.token is not None
+    text = model.tokenizer.decode([target.token])
+    if target.quantity == "contrast" and target.foil is not None:
+        return f"{text} vs {model.tokenizer.decode([target.foil])}"
+    return str(text)
+
+
+def _routes(
+    model: LoadedModel, ids: Tensor, targets: list[Target], options: AttributeOptions
+) -> list[Routes]:
+    """Each target position's routes, read from its pure flow (method §7.4)."""
+    flows = [replace(t, quantity="flow", foil=None) for t in targets]
+    fwd, flows = forward_factors(model, ids, flows, dtype=_DTYPES[options.compute_dtype])
+    out = propagate(model, fwd, flows, keep_rows=True)
+    routes = []
+    for k, t in enumerate(flows):
+        cut, edges = extract_routes(fwd, out, k, options.threshold)
+        routes.append(
+            Routes(k, t.position, cut, [Edge(*e) for e in edges], num_layers=len(fwd.layers))
+        )
+    return routes
