@@ -10,12 +10,12 @@ import contribution_weights
 
 PACKAGE = Path(contribution_weights.__file__).parent
 LAYERS = [
-    {"registry", "defaults"},
+    {"registry", "defaults", "fields"},
     {"families", "measures", "progress", "runs", "data", "tracing.storage"},
     {"capture", "loading", "tracing.maps", "tracing.format", "tracing.result"},
     {"interventions", "inputs", "kv"},
-    {"tracing", "experiments", "attribution"},
-    {"attribution"},  # reads experiments.options (the shared option machinery)
+    {"attribution"},
+    {"tracing", "experiments"},
     {"presentation"},
     {"cli"},
     {"__init__", "__main__"},

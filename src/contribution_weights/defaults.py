@@ -35,3 +35,12 @@ KV_TASKS = ("lm", "passkey")
 KV_RATIOS = (0.0, 0.25, 0.5, 0.75, 0.9)
 #: the observation window of a KV prefill: its last queries (``kv.methods.WINDOW``)
 KV_WINDOW = 64
+
+#: end-to-end attribution evaluation: tasks (deletion reads texts; the others are generated
+#: with a known source token), how removed tokens leave the input, and the default rates
+ATTRIBUTION_TASKS = ("deletion", "induction", "lookup", "passkey")
+ATTRIBUTION_INTERVENTIONS = ("key_mask", "embedding")
+ATTRIBUTION_RATES = (0.05, 0.1, 0.2, 0.3, 0.5)
+ATTRIBUTION_METHODS = (
+    "flow", "rollout", "alti", "input_x_gradient", "integrated_gradients", "feature_ablation",
+)  # fmt: skip

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..experiments.options import Options, option, split_names
+from ..fields import Options, option, split_names
 from .methods import METHODS
 from .targets import QUANTITIES, TargetError
 

@@ -19,17 +19,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
-
-from ..inputs import InputError
+if TYPE_CHECKING:  # torch is imported where tensors are used: the CLI checks targets light
+    from torch import Tensor
 
 QUANTITIES = ("logprob", "logit", "contrast", "flow")
 
 
-class TargetError(InputError):
-    """A target that cannot be explained (position out of range, bad token, ...)."""
+class TargetError(ValueError):
+    """A target that cannot be explained (position out of range, bad token, ...): the
+    message says what is wrong and how to fix it."""
 
 
 @dataclass(frozen=True)
@@ -144,6 +144,7 @@ def resolve(targets: Sequence[Target], logits: Tensor) -> list[Target]:
 def target_values(logits: Tensor, targets: Sequence[Target]) -> Tensor:
     """``(n,)``: each target's exact value from ``(n, V)`` logits (row k at target k's
     position; soft-capping already applied). ``flow`` targets read as NaN (no scalar)."""
+    import torch
     logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
     out = torch.full((len(targets),), float("nan"), dtype=logits.dtype, device=logits.device)
     for k, t in enumerate(targets):

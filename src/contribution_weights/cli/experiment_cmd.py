@@ -12,6 +12,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from ..defaults import ATTRIBUTION_TASKS, KV_TASKS
 from ..experiments.spec import ExperimentSpec
 from .common import (
     add_corpus_arguments,
@@ -111,25 +112,30 @@ class TaskItems:
         return items, source
 
 
-class KVTexts:
-    """Language-modelling texts (--dataset | --texts) or none (--task passkey)."""
+class TextsOrTask:
+    """Texts (--dataset | --texts) for the task that reads them, or none for a task whose
+    items are generated (--task): kv-eval's lm and passkey, attribution-eval's deletion
+    and known-answer tasks."""
 
-    own = "--texts FILE.jsonl (or --task passkey, which needs no data)"
-    more = (
-        "--n 2 or more; the lm task makes an item of every --context-tokens + 129 tokens of "
-        "consecutive texts, so give texts enough for 2"
-    )
+    def __init__(self, tasks: tuple[str, ...], text_task: str, what: str, more: str) -> None:
+        self.tasks, self.text_task, self.what = tasks, text_task, what
+        generated = ", ".join(t for t in tasks if t != text_task)
+        self.own = f"--texts FILE.jsonl (or --task {generated}, which needs no data)"
+        self.more = more
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         from ..data import TEXT_DATASETS
-        from ..defaults import KV_TASKS
 
         src = p.add_mutually_exclusive_group(required=True)
-        src.add_argument("--dataset", choices=TEXT_DATASETS, help="LM data set")
+        src.add_argument("--dataset", choices=TEXT_DATASETS, help=f"texts for {self.what}")
         src.add_argument(
-            "--texts", type=Path, help="a .jsonl file of texts (field: --field) for LM"
+            "--texts", type=Path, help=f"a .jsonl file of texts (field: --field) for {self.what}"
         )
-        src.add_argument("--task", choices=KV_TASKS, help="lm or passkey (passkey needs no data)")
+        src.add_argument(
+            "--task",
+            choices=self.tasks,
+            help=f"{' or '.join(self.tasks)} (all but {self.text_task} need no data)",
+        )
         p.add_argument(
             "--field", default="text", help="JSONL field holding the text (default text)"
         )
@@ -140,17 +146,19 @@ class KVTexts:
     def read(self, args: argparse.Namespace) -> tuple[Any, str, dict[str, Any]]:
         from .. import data
 
-        task = args.task or "lm"
-        if task != "lm":
+        task = args.task or self.text_task
+        if task != self.text_task:
             return None, task, {}
         if args.dataset:
             return data.load_texts(args.dataset, None, args.data_dir), args.dataset, {}
         if args.texts:
             return data.read_texts(args.texts, field=args.field), str(args.texts), {}
-        raise ValueError("--task lm needs texts: use --dataset NAME or --texts FILE.jsonl")
+        raise ValueError(
+            f"--task {self.text_task} needs texts: use --dataset NAME or --texts FILE.jsonl"
+        )
 
     def options(self, args: argparse.Namespace) -> dict[str, Any]:
-        return {"task": args.task or "lm"}
+        return {"task": args.task or self.text_task}
 
     def fit(self, args: argparse.Namespace, model: Any, texts: Any, source: str) -> Any:
         return texts, source
@@ -173,7 +181,14 @@ class NoInputs:
 INPUTS: dict[str, Any] = {
     "corpus": Corpus(),
     "task_items": TaskItems(),
-    "kv": KVTexts(),
+    "kv": TextsOrTask(
+        KV_TASKS,
+        "lm",
+        "language modelling",
+        "--n 2 or more; the lm task makes an item of every --context-tokens + 129 tokens of "
+        "consecutive texts, so give texts enough for 2",
+    ),
+    "attribution": TextsOrTask(ATTRIBUTION_TASKS, "deletion", "the deletion task", "--n 2 or more"),
     "none": NoInputs(),
 }
 

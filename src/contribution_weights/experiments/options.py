@@ -15,13 +15,15 @@ imported. Checking the measures imports the measure registry, when options are m
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..defaults import (
+    ATTRIBUTION_INTERVENTIONS,
+    ATTRIBUTION_METHODS,
+    ATTRIBUTION_RATES,
+    ATTRIBUTION_TASKS,
     INTERVENTIONS,
     KV_RATIOS,
     KV_TASKS,
@@ -34,99 +36,13 @@ from ..defaults import (
 if TYPE_CHECKING:
     from ..interventions import Removal
 
-#: how a flag's text becomes a value (the CLI maps each kind to an argparse type)
-PARSE_KINDS = ("str", "int", "float", "names", "floats", "ints", "flag", "no-flag")
+from ..fields import PARSE_KINDS as PARSE_KINDS
+from ..fields import Options as Options
+from ..fields import as_floats as as_floats
+from ..fields import as_ints as as_ints
+from ..fields import option as option
+from ..fields import split_names as split_names
 
-
-def option(
-    default: Any,
-    help: str,
-    *,
-    flag: str | None = None,
-    parse: str = "str",
-    aliases: Sequence[str] = (),
-    choices: Sequence[str] | None = None,
-    metavar: str | None = None,
-) -> Any:
-    """A dataclass field with its CLI description (``flag=None``: API only).
-
-    ``parse`` is one of :data:`PARSE_KINDS`; ``"flag"`` is a switch that sets True,
-    ``"no-flag"`` one that sets False (e.g. ``--no-sink-protection``). ``aliases`` are
-    older spellings of the flag, accepted and reported as deprecated.
-    """
-    if parse not in PARSE_KINDS:
-        raise ValueError(f"unknown parse kind {parse!r}; choose from {', '.join(PARSE_KINDS)}")
-    meta = {
-        "help": help,
-        "flag": flag,
-        "parse": parse,
-        "aliases": tuple(aliases),
-        "choices": None if choices is None else tuple(choices),
-        "metavar": metavar,
-    }
-    if isinstance(default, list | tuple):
-        frozen = tuple(default)
-        return dataclasses.field(default_factory=lambda: list(frozen), metadata=meta)
-    return dataclasses.field(default=default, metadata=meta)
-
-
-class Options:
-    """Base of experiment options: dataclasses that check and normalise themselves.
-
-    Subclasses are ``@dataclass`` and implement :meth:`validate`, which raises
-    :class:`ValueError` naming the bad value and the fix, and may normalise fields (a
-    string ``"a,b"`` into a list, rates sorted). :meth:`to_dict` is the JSON form
-    stored in a run's ``config.json``.
-    """
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:  # pragma: no cover - every subclass overrides it
-        raise NotImplementedError
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            value = getattr(self, f.name)
-            out[f.name] = list(value) if isinstance(value, list | tuple) else value
-        return out
-
-    def replace(self, **changes: Any) -> Any:
-        """A copy with some fields changed (validated again)."""
-        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
-
-
-def split_names(value: str | Sequence[str]) -> list[str]:
-    """``"a,b"`` or ``["a", "b"]`` -> ``["a", "b"]`` (a string is never split into letters)."""
-    if isinstance(value, str):
-        return [v.strip() for v in value.split(",") if v.strip()]
-    return [str(v) for v in value]
-
-
-def as_floats(value: float | str | Sequence[float]) -> list[float]:
-    """One number, ``"0.1,0.5"`` or a sequence of numbers as a list of floats."""
-    if isinstance(value, int | float):
-        return [float(value)]
-    parts: Sequence[Any] = value.split(",") if isinstance(value, str) else value
-    try:
-        return [float(v) for v in parts if not isinstance(v, str) or v.strip()]
-    except (TypeError, ValueError):
-        raise ValueError(f"expected numbers like 0.1,0.5, not {value!r}") from None
-
-
-def as_ints(value: int | str | Sequence[int]) -> list[int]:
-    """One integer, ``"0,5,-1"`` or a sequence of integers as a list of ints."""
-    if isinstance(value, int):
-        return [value]
-    parts: Sequence[Any] = value.split(",") if isinstance(value, str) else value
-    try:
-        return [int(v) for v in parts if not isinstance(v, str) or v.strip()]
-    except (TypeError, ValueError):
-        raise ValueError(f"expected whole numbers like 0,5,-1, not {value!r}") from None
-
-
-# ---- the experiments' options ------------------------------------------------------------
 DEFAULT_MEASURES = ("attention", "vw", "vw_on", "ihc")
 #: rankings that read no measure: seeded uniform scores, and the latest tokens first
 BASELINES = ("random", "recency")
@@ -424,3 +340,99 @@ class KVEvalOptions(Options):
         """(method, ratio) pairs a kv-eval item is evaluated in; ``none`` is ratio 0."""
         out = [("none", 0.0)] if 0.0 in self.ratios else []
         return out + [(m, r) for m in self.methods for r in self.ratios if r > 0]
+
+
+@dataclass
+class AttributionEvalOptions(Options):
+    """Options of :func:`~.attribution_eval.attribution_eval` and ``cw attribution-eval``.
+
+    Attributes:
+        task: ``deletion`` (natural texts: deletion and insertion curves) or a known-answer
+            task, ``induction``, ``lookup``, ``passkey`` (the CLI sets it from ``--task`` or
+            the data given).
+        n: items generated (known-answer tasks) or texts used (deletion).
+        tokens: the items' length in tokens.
+        methods: attribution methods compared (registered names, or all).
+        baselines: rankings that need no method: random (``random_seeds`` seeds), recency.
+        rates: the shares of candidate tokens removed (or kept, for insertion).
+        interventions: how a removed token leaves the input: ``key_mask`` (its key leaves
+            the softmax of every head in every layer) and ``embedding`` (its input embedding
+            is replaced by the mean embedding of the vocabulary).
+        steps: integrated gradients' steps.
+        protect_first: never remove token 0 (the usual attention sink).
+        seed: items and random rankings.
+    """
+
+    task: str = option("induction", "the task", choices=ATTRIBUTION_TASKS)
+    n: int = option(64, "items (known-answer tasks) or texts (deletion)", flag="--n", parse="int")
+    tokens: int = option(64, "tokens per item", flag="--tokens", parse="int")
+    methods: list[str] = option(
+        ATTRIBUTION_METHODS, "attribution methods, comma-separated or all",
+        flag="--methods", parse="names",
+    )  # fmt: skip
+    baselines: list[str] = option(
+        ("random", "recency"), "random (seeded, --random-seeds of them), recency (latest "
+        "first), or none", flag="--baselines", parse="names",
+    )  # fmt: skip
+    random_seeds: int = option(3, "seeds of the random baseline", flag="--random-seeds",
+                               parse="int")  # fmt: skip
+    rates: list[float] = option(
+        ATTRIBUTION_RATES, "shares of candidate tokens removed (insertion: kept)",
+        flag="--rates", parse="floats",
+    )  # fmt: skip
+    interventions: list[str] = option(
+        ATTRIBUTION_INTERVENTIONS, "key_mask (out of every softmax) and/or embedding "
+        "(replaced by the mean embedding)", flag="--interventions", parse="names",
+    )  # fmt: skip
+    steps: int = option(50, "integrated gradients: steps", flag="--steps", parse="int")
+    protect_first: bool = option(True, "let token 0 (the usual sink) be removed too",
+                                 flag="--no-sink-protection", parse="no-flag")  # fmt: skip
+    seed: int = option(0, "items and random rankings", flag="--seed", parse="int")
+
+    def validate(self) -> None:
+        from ..attribution.methods import METHODS
+
+        if self.task not in ATTRIBUTION_TASKS:
+            raise ValueError(
+                f"unknown task {self.task!r}; choose from {', '.join(ATTRIBUTION_TASKS)}"
+            )
+        if int(self.n) < 1:
+            raise ValueError(f"--n must be at least 1, got {self.n}")
+        if int(self.tokens) < 16:
+            raise ValueError(f"--tokens must be at least 16, got {self.tokens}")
+        self.n, self.tokens, self.steps = int(self.n), int(self.tokens), int(self.steps)
+        self.methods = METHODS.resolve(split_names(self.methods))
+        if not self.methods:
+            raise ValueError("no attribution method given; e.g. --methods flow,input_x_gradient")
+        names = [b for b in split_names(self.baselines) if b != "none"]
+        for b in names:
+            if b not in BASELINES:
+                raise ValueError(
+                    f"unknown baseline {b!r}; choose from {', '.join(BASELINES)} (or none)"
+                )
+        self.baselines = list(dict.fromkeys(names))
+        if int(self.random_seeds) < 1:
+            raise ValueError(f"random_seeds must be at least 1, got {self.random_seeds}")
+        self.random_seeds = int(self.random_seeds)
+        self.rates = check_rates(self.rates)
+        if not self.rates or min(self.rates) <= 0 or max(self.rates) >= 1:
+            raise ValueError("--rates must lie strictly between 0 and 1, e.g. 0.1,0.2,0.5")
+        self.interventions = list(dict.fromkeys(split_names(self.interventions)))
+        for how in self.interventions:
+            if how not in ATTRIBUTION_INTERVENTIONS:
+                raise ValueError(
+                    f"unknown intervention {how!r}; choose from "
+                    f"{', '.join(ATTRIBUTION_INTERVENTIONS)}"
+                )
+        if not self.interventions:
+            raise ValueError("no intervention given; e.g. --interventions key_mask")
+        if self.steps < 1:
+            raise ValueError(f"--steps must be at least 1, got {self.steps}")
+        self.protect_first = bool(self.protect_first)
+
+    def rankings(self) -> list[str]:
+        """The methods, then the baselines (``random:SEED`` per seed)."""
+        out = list(self.methods)
+        for b in self.baselines:
+            out += [f"random:{k}" for k in range(self.random_seeds)] if b == "random" else [b]
+        return out

@@ -50,7 +50,7 @@ ALPHA = 0.05
 RESAMPLES = 20_000
 SEED = 0
 #: per mode: is a larger value of the metric (ΔNLL, ΔPPL) the more faithful?
-HIGHER_IS_BETTER = {"comprehensiveness": True, "sufficiency": False}
+HIGHER_IS_BETTER = {"comprehensiveness": True, "sufficiency": False, "insertion": False}
 #: downstream outcomes per item, and whether more of it is better
 OUTCOMES = {"correct": True, "changed": False}
 RANDOM = "random"

@@ -20,13 +20,21 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..registry import Registry
-from .options import DownstreamOptions, FaithfulnessOptions, KVEvalOptions, Options
+from .options import (
+    AttributionEvalOptions,
+    DownstreamOptions,
+    FaithfulnessOptions,
+    KVEvalOptions,
+    Options,
+)
 
 #: what an experiment reads: ``corpus``, texts (--dataset | --texts | --file);
 #: ``task_items``, the items of a multiple-choice task (--task, --data-dir | --items);
 #: ``kv``, texts for language modelling or none for passkey (--dataset | --texts | --task);
+#: ``attribution``, texts for deletion or none for the generated tasks (--dataset | --texts |
+#: --task);
 #: ``none``, nothing
-INPUTS = ("corpus", "task_items", "kv", "none")
+INPUTS = ("corpus", "task_items", "kv", "attribution", "none")
 
 
 @dataclass(frozen=True)
@@ -131,4 +139,17 @@ register_experiment(
     )
 )
 
+register_experiment(
+    ExperimentSpec(
+        "attribution-eval",
+        "end-to-end attributions against known answers (induction, lookup, passkey) and by "
+        "deletion/insertion of the top tokens",
+        AttributionEvalOptions,
+        "contribution_weights.experiments.attribution_eval:attribution_eval",
+        inputs="attribution",
+        batch_size=True,
+        figure="attribution-eval.png",
+        digits=3,
+    )
+)
 __all__ = ["EXPERIMENTS", "INPUTS", "ExperimentSpec", "register_experiment"]

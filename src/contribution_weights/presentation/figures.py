@@ -34,9 +34,10 @@ HEATMAP_CELLS = 1024  # a heatmap shows at most this many cells a side (longer: 
 
 # ---- the figure of each kind of result ------------------------------------------------------
 #: result type -> function drawing its figure (``draw(result, path=None) -> Figure``); each
-#: figure module registers its own (faithfulness_plots, kv_plots, geometry_plots)
+#: figure module registers its own (faithfulness_plots, kv_plots, geometry_plots,
+#: attribution_plots)
 _FIGURES: dict[type, Callable[..., Any]] = {}
-_FIGURE_MODULES = ("faithfulness_plots", "kv_plots", "geometry_plots")
+_FIGURE_MODULES = ("faithfulness_plots", "kv_plots", "geometry_plots", "attribution_plots")
 
 
 def register_figure(result_type: type, draw: Callable[..., Any]) -> Callable[..., Any]:

@@ -1,0 +1,75 @@
+"""``cw attribute``: which input tokens drove a prediction, by one or several methods."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..attribution.methods import METHODS
+from ..attribution.options import AttributeOptions
+from .common import add_model_arguments, add_text_arguments, check_out_dir, read_text
+from .options import add_options, options_from_args
+
+
+def _methods_help() -> str:
+    return "; ".join(f"{m.name}: {m.description} ({m.cost})" for m in METHODS)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "attribute",
+        help="which input tokens drove a prediction (contribution flow, baselines)",
+        description="Attribute the model's prediction at a position (default: the last) to "
+        "the input tokens: contribution flow composes every layer's contributions with the "
+        "residual stream and projects them on the target; other methods for comparison. "
+        f"Methods: {_methods_help()}.",
+    )
+    add_text_arguments(p)
+    add_model_arguments(p)
+    add_options(p, AttributeOptions)
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="folder for attribution.json, routes.json, figures and an HTML view",
+    )
+    p.add_argument("--top", type=int, default=8, help="tokens listed per method (default 8)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    options = options_from_args(AttributeOptions, args)  # bad values exit 2 here
+    if args.out is not None:
+        check_out_dir(args.out)
+    text = read_text(args)
+    from ..loading import load_model, peek_tokenizer
+
+    tokenizer = peek_tokenizer(args.model)
+    if tokenizer is not None:  # a bad target fails before the model loads
+        import torch
+
+        from ..attribution.run import targets_of
+
+        ids = torch.tensor(tokenizer(text, add_special_tokens=True)["input_ids"])
+        if options.max_tokens is not None and options.truncate:
+            ids = ids[: options.max_tokens]
+        targets_of(tokenizer, ids, options, vocab_size=len(tokenizer))
+    model = load_model(args.model, dtype=args.dtype, device=args.device)
+    from ..attribution.run import attribute
+
+    result = attribute(model, text, options)
+    print(result.summary(args.top))
+    if args.out is not None:
+        from ..presentation.attribution_html import write_attribution_html
+        from ..presentation.attribution_plots import attribution_figure, routes_figure
+        from ..presentation.figures import save
+        from .common import print_written
+
+        out = Path(args.out)
+        result.save(out)
+        save(attribution_figure(result), out / "attribution.png")
+        if result.routes is not None:
+            save(routes_figure(result), out / "routes.png")
+        write_attribution_html(result, out / "attribution.html")
+        print_written(out)
+    return 0

@@ -1,0 +1,374 @@
+"""``attribution-eval``: end-to-end attributions checked against known answers and by
+deletion and insertion (docs/attribution.md).
+
+Per item (a generated known-answer item, or a natural text for ``deletion``), every method
+attributes the log-probability of the item's answer at its last position. Then:
+
+* **Known answer** (induction, lookup, passkey): the rank of the source token among the
+  candidate positions (every position but the target's own), and whether it is first
+  (top-1) or among the first five (top-5).
+* **Deletion and insertion**: the candidates (every position but the target's own, and
+  token 0 under sink protection) are ranked by each method's scores and by the baselines
+  (random seeds, recency); at each rate p the top ⌈p·N⌉ are removed (comprehensiveness:
+  a faithful ranking makes the log-probability drop most), the bottom ones are removed
+  (sufficiency: it should drop least), or only the top ones are kept (insertion: it should
+  drop least). ``delta`` = log P(answer | full) − log P(answer | edited). A removed token
+  leaves every head's softmax in every layer (``key_mask``: an attention mask, so the
+  other weights renormalise; positions are unchanged), or its input embedding is replaced
+  by the vocabulary's mean embedding (``embedding``).
+
+Rows go to ``rows.csv`` (kind ``hit`` per method, kind ``curve`` per ranking,
+intervention, mode and rate); the summary and the paired statistics (flow against every
+other ranking: bootstrap intervals, Holm; McNemar on top-1 hits) are computed from them.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import pandas as pd
+import torch
+from torch import Tensor
+
+from ..attribution.options import AttributeOptions
+from ..attribution.run import method_function
+from ..attribution.targets import Target, target_values
+from ..attribution.tasks import KNOWN_ANSWER, Item, make_item, text_item
+from ..loading import LoadedModel
+from ..runs import fingerprint
+from .options import AttributionEvalOptions
+from .paired import holm, mcnemar_p, paired_differences
+from .result import RowsResult, typed_frame, write_csv
+from .runner import Experiment, Phase, SkipUnit, run_experiment
+
+MODES = ("comprehensiveness", "sufficiency", "insertion")
+REFERENCE = "flow"
+#: numeric columns (blank cells read back as NaN); item and tokens are ints
+NUMBERS = (
+    "rate", "value_full", "value", "delta", "rank", "hit1", "hit5", "correct", "seconds",
+)  # fmt: skip
+#: every row has every column (a CSV's header is its first row's keys)
+COLUMNS = ("item", "kind", "measure", "intervention", "mode", *NUMBERS, "tokens")
+
+
+def ranking_order(name: str, scores: dict[str, Tensor], candidates: Tensor, item: int,
+                  seed: int) -> Tensor:  # fmt: skip
+    """The candidates, most important first, by a method's scores or a baseline."""
+    if name == "recency":
+        return candidates.flip(0)
+    if name.startswith("random:"):
+        rng = np.random.default_rng([seed, item, int(name.split(":")[1]), 7])
+        return candidates[torch.from_numpy(rng.permutation(candidates.numel()))]
+    row = scores[name][candidates]
+    # ties broken by position, latest first, so that a constant score is recency
+    order = sorted(range(candidates.numel()), key=lambda k: (-float(row[k]), -k))
+    return candidates[torch.tensor(order, dtype=torch.long)]
+
+
+def removal_sets(order: Tensor, rates: Sequence[float]) -> list[tuple[str, float, Tensor]]:
+    """(mode, rate, positions removed) for every mode and rate (module docstring)."""
+    n = order.numel()
+    out = []
+    for rate in rates:
+        k = min(n, max(1, math.ceil(rate * n)))
+        out.append(("comprehensiveness", rate, order[:k]))
+        out.append(("sufficiency", rate, order[n - k :]))
+        out.append(("insertion", rate, order[k:]))
+    return out
+
+
+class Editor:
+    """Log-probabilities of an item's answer with sets of tokens removed, in batches."""
+
+    def __init__(self, model: LoadedModel, batch_size: int) -> None:
+        self.model = model
+        self.batch_size = batch_size
+        self._neutral: Tensor | None = None
+
+    @property
+    def neutral(self) -> Tensor:
+        """The mean input embedding over the vocabulary (as the model scales it)."""
+        if self._neutral is None:
+            embed = self.model.model.get_input_embeddings()
+            vocab = int(embed.weight.shape[0])
+            total = None
+            with torch.no_grad():
+                for start in range(0, vocab, 8192):
+                    ids = torch.arange(start, min(vocab, start + 8192), device=self.model.device)
+                    part = embed(ids).double().sum(0)
+                    total = part if total is None else total + part
+            assert total is not None
+            self._neutral = (total / vocab).to(embed.weight.dtype)
+        return self._neutral
+
+    def values(
+        self, ids: Tensor, answer: int, removed: Sequence[Tensor], intervention: str
+    ) -> list[float]:
+        out: list[float] = []
+        t = ids.numel()
+        device = self.model.device
+        embed = self.model.model.get_input_embeddings()
+        for start in range(0, len(removed), self.batch_size):
+            chunk = removed[start : start + self.batch_size]
+            keep = torch.ones(len(chunk), t, dtype=torch.long, device=device)
+            for row, positions in enumerate(chunk):
+                keep[row, positions.to(device, torch.long)] = 0
+            batch = ids[None].to(device).expand(len(chunk), t)
+            kwargs: dict[str, Any] = {"use_cache": False, **self.model.last_logits_only()}
+            with torch.no_grad():
+                if intervention == "key_mask":
+                    logits = self.model.model(
+                        input_ids=batch, attention_mask=keep, **kwargs
+                    ).logits[:, -1]
+                else:
+                    embeds = embed(batch).clone()
+                    gone = keep == 0
+                    embeds[gone] = self.neutral.to(embeds.dtype)
+                    logits = self.model.model(inputs_embeds=embeds, **kwargs).logits[:, -1]
+            out += torch.log_softmax(logits.float(), -1)[:, answer].tolist()
+        return out
+
+
+class AttributionEval(Experiment["AttributionEvalResult"]):
+    name = "attribution-eval"
+
+    def __init__(
+        self,
+        model: LoadedModel,
+        texts: Sequence[str] | None,
+        options: AttributionEvalOptions,
+        batch_size: int | None = None,
+    ) -> None:
+        self.model, self.options = model, options
+        self.items = self._items(texts)
+        self.editor = Editor(model, batch_size or 16)
+        self.attribute_options = AttributeOptions(steps=options.steps)
+
+    def _items(self, texts: Sequence[str] | None) -> list[Item]:
+        o = self.options
+        tok = self.model.tokenizer
+        if o.task in KNOWN_ANSWER:
+            return [make_item(o.task, tok, i, o.seed, o.tokens) for i in range(o.n)]
+        if not texts:
+            raise ValueError("the deletion task needs texts: --dataset NAME or --texts FILE")
+        items = []
+        for text in texts:
+            item = text_item(tok, text, o.tokens)
+            if item is not None:
+                items.append(item)
+            if len(items) == o.n:
+                break
+        if not items:
+            raise ValueError(
+                f"no text has {o.tokens + 1} tokens or more; pass longer texts or a smaller "
+                "--tokens"
+            )
+        return items
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "experiment": self.name,
+            "model": self.model.name,
+            **self.options.to_dict(),
+            "items_sha256": fingerprint([",".join(map(str, i.ids)) for i in self.items]),
+        }
+
+    @property
+    def rows_per_unit(self) -> int:
+        o = self.options
+        curves = len(o.rankings()) * len(o.interventions) * len(MODES) * len(o.rates)
+        return len(o.methods) + curves
+
+    def run(self, index: int) -> list[dict[str, Any]]:
+        o = self.options
+        item = self.items[index]
+        ids = torch.tensor(item.ids, dtype=torch.long)
+        t = ids.numel()
+        target = Target(item.position, item.answer, "logprob")
+        with torch.no_grad():
+            logits = self.model.model(
+                input_ids=ids[None].to(self.model.device),
+                use_cache=False,
+                **self.model.last_logits_only(),
+            ).logits[0, -1:]
+        full = float(target_values(logits.float(), [target])[0])
+        if not math.isfinite(full):
+            raise SkipUnit("the answer's log-probability is not finite")
+        correct = float(int(logits[0].argmax()) == item.answer)
+        base = {"item": index, "value_full": full, "correct": correct, "tokens": t}
+        rows: list[dict[str, Any]] = []
+        scores: dict[str, Tensor] = {}
+        for name in o.methods:
+            start = time.perf_counter()
+            out = method_function(name)(self.model, ids, [target], self.attribute_options)
+            seconds = time.perf_counter() - start
+            scores[name] = out.scores[0].detach().double().cpu()
+            rows.append({**base, "kind": "hit", "measure": name, "seconds": seconds,
+                         **self._hits(scores[name], item)})  # fmt: skip
+        first = 1 if o.protect_first else 0
+        candidates = torch.arange(first, item.position, dtype=torch.long)
+        if candidates.numel() < 2:
+            raise SkipUnit("fewer than 2 candidate tokens")
+        for how in o.interventions:
+            for name in o.rankings():
+                order = ranking_order(name, scores, candidates, index, o.seed)
+                sets = removal_sets(order, o.rates)
+                values = self.editor.values(ids, item.answer, [s for _, _, s in sets], how)
+                for (mode, rate, _), value in zip(sets, values, strict=True):
+                    rows.append({**base, "kind": "curve", "measure": name, "intervention": how,
+                                 "mode": mode, "rate": rate, "value": value,
+                                 "delta": full - value})  # fmt: skip
+        return [{c: row.get(c, "") for c in COLUMNS} for row in rows]
+
+    @staticmethod
+    def _hits(scores: Tensor, item: Item) -> dict[str, float]:
+        if not item.sources:
+            return {"rank": math.nan, "hit1": math.nan, "hit5": math.nan}
+        candidates = [j for j in range(item.position)]  # every position but the target's
+        order = sorted(candidates, key=lambda j: (-float(scores[j]), -j))
+        rank = 1 + min(order.index(s) for s in item.sources)
+        return {"rank": float(rank), "hit1": float(rank == 1), "hit5": float(rank <= 5)}
+
+    def phases(self) -> Iterator[Phase]:
+        yield Phase(
+            "attribution-eval",
+            range(len(self.items)),
+            self.run,
+            rows_file=AttributionEvalResult.ROWS,
+            key="item",
+            rows_per_unit=self.rows_per_unit,
+        )
+
+    def result(
+        self, rows: Mapping[str, Sequence[Mapping[str, Any]]], run_info: dict[str, Any]
+    ) -> AttributionEvalResult:
+        return AttributionEvalResult.from_rows(rows, self.config(), run_info)
+
+
+class AttributionEvalResult(RowsResult):
+    """Rows of an attribution evaluation, its summary and paired statistics."""
+
+    ROWS: ClassVar[str] = "rows.csv"
+
+    @classmethod
+    def frame(cls, rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
+        return typed_frame(rows, "item", ints=("item", "tokens"), blanks=NUMBERS)
+
+    @property
+    def hits(self) -> pd.DataFrame:
+        return self.rows[self.rows["kind"] == "hit"]
+
+    @property
+    def curves(self) -> pd.DataFrame:
+        return self.rows[self.rows["kind"] == "curve"]
+
+    def curve_table(self) -> pd.DataFrame:
+        """Per (intervention, mode, rate, ranking): n, mean and s.e. of delta (random
+        seeds pooled per item first)."""
+        c = self.curves
+        if c.empty:
+            return pd.DataFrame(
+                columns=["intervention", "mode", "rate", "measure", "n", "mean", "se"]
+            )
+        pooled = c.assign(measure=c["measure"].str.replace(r"^random:\d+$", "random", regex=True))
+        per_item = pooled.groupby(
+            ["intervention", "mode", "rate", "measure", "item"], sort=False, as_index=False
+        )["delta"].mean()
+        return (
+            per_item.groupby(["intervention", "mode", "rate", "measure"], sort=False)["delta"]
+            .agg(n="count", mean="mean", se="sem")
+            .reset_index()
+        )
+
+    def summarise_rows(self) -> pd.DataFrame:
+        """One row per ranking: top-1/top-5 hit rates, mean source rank and seconds
+        (methods on known-answer tasks), and the area over each curve (mean delta over
+        the rates) per intervention and mode."""
+        if self.rows.empty:
+            return pd.DataFrame(columns=["measure"])
+        table = self.curve_table()
+        out: dict[str, dict[str, float]] = {}
+        for r in table.itertuples():
+            key = f"{r.mode[:4]}_{r.intervention}"
+            out.setdefault(str(r.measure), {}).setdefault(key, 0.0)
+        aopc = table.groupby(["measure", "intervention", "mode"], sort=False)["mean"].mean()
+        for (measure, how, mode), value in aopc.items():
+            out.setdefault(str(measure), {})[f"{str(mode)[:4]}_{how}"] = float(value)
+        hits = self.hits
+        if not hits.empty:
+            agg = hits.groupby("measure", sort=False).agg(
+                n=("item", "count"), top1=("hit1", "mean"), top5=("hit5", "mean"),
+                rank=("rank", "mean"), seconds=("seconds", "mean"),
+            )  # fmt: skip
+            for measure, r in agg.iterrows():
+                out.setdefault(str(measure), {}).update({k: float(v) for k, v in r.items()})
+        frame = pd.DataFrame([{"measure": m, **v} for m, v in out.items()])
+        return frame
+
+    def paired(self) -> pd.DataFrame:
+        """Flow against every other ranking: paired differences of delta per
+        (intervention, mode, rate), bootstrap 95% intervals, Holm per (intervention, mode)."""
+        c = self.curves
+        if c.empty or REFERENCE not in set(c["measure"]):
+            return pd.DataFrame()
+        parts = []
+        for how, g in c.groupby("intervention", sort=False):
+            frame = g.rename(columns={"item": "seq"})[["seq", "mode", "rate", "measure", "delta"]]
+            table = paired_differences(frame, REFERENCE, "delta")
+            table.insert(0, "intervention", how)
+            parts.append(table)
+        return pd.concat(parts, ignore_index=True)
+
+    def hits_paired(self) -> pd.DataFrame:
+        """Flow's top-1 hits against every other method's on the same items: exact McNemar,
+        Holm over the methods."""
+        h = self.hits.dropna(subset=["hit1"])
+        if h.empty or REFERENCE not in set(h["measure"]):
+            return pd.DataFrame()
+        table = h.pivot_table(index="item", columns="measure", values="hit1")
+        out = []
+        for other in (m for m in table.columns if m != REFERENCE):
+            pair = table[[REFERENCE, other]].dropna()
+            b = int(((pair[REFERENCE] == 1) & (pair[other] == 0)).sum())
+            c = int(((pair[REFERENCE] == 0) & (pair[other] == 1)).sum())
+            out.append(
+                {"reference": REFERENCE, "other": other, "n": len(pair), "b": b, "c": c,
+                 "reference_top1": float(pair[REFERENCE].mean()),
+                 "other_top1": float(pair[other].mean()), "p": mcnemar_p(b, c)}
+            )  # fmt: skip
+        frame = pd.DataFrame(out)
+        if not frame.empty:
+            frame["p_holm"] = holm(frame["p"].to_numpy(float))
+            frame["verdict"] = [
+                "tie" if not r.p_holm < 0.05 else
+                ("reference better" if r.b > r.c else "other better")
+                for r in frame.itertuples()
+            ]  # fmt: skip
+        return frame
+
+    def write_summary(self, folder: Path) -> None:
+        """The summary, the curves and the paired statistics (written when a run ends)."""
+        super().write_summary(folder)
+        write_csv(Path(folder) / "curves.csv", self.curve_table())
+        write_csv(Path(folder) / "paired.csv", self.paired())
+        write_csv(Path(folder) / "hits_paired.csv", self.hits_paired())
+
+
+def attribution_eval(
+    model: LoadedModel,
+    texts: Sequence[str] | None = None,
+    *,
+    options: AttributionEvalOptions | None = None,
+    out: str | Path | None = None,
+    resume: bool = False,
+    source: str = "",
+    batch_size: int | None = None,
+) -> AttributionEvalResult:
+    """Evaluate end-to-end attributions (module docstring); resumable with ``out``."""
+    experiment = AttributionEval(model, texts, options or AttributionEvalOptions(), batch_size)
+    return run_experiment(experiment, out, resume=resume)

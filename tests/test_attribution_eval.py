@@ -1,0 +1,137 @@
+"""attribution-eval: the known-answer items, the two ways a token is removed, the run and
+its statistics."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+import torch
+from tiny_models import tiny_model
+
+from contribution_weights.attribution.tasks import make_item, text_item
+from contribution_weights.capture import AttentionEdit, capturing
+from contribution_weights.experiments.attribution_eval import (
+    AttributionEvalResult,
+    Editor,
+    attribution_eval,
+    removal_sets,
+)
+from contribution_weights.experiments.options import AttributionEvalOptions
+
+
+@pytest.mark.parametrize("task", ["induction", "lookup", "passkey"])
+def test_known_answer_items_put_the_answer_at_the_source(smollm2, task):
+    tok = smollm2.tokenizer
+    for index in range(4):
+        item = make_item(task, tok, index, seed=3, tokens=64)
+        assert item == make_item(task, tok, index, seed=3, tokens=64)  # seeded
+        assert len(item.ids) <= 64
+        (source,) = item.sources
+        assert source < item.position
+        assert item.ids[source] == item.answer
+        # the answer is not simply the token before the target, nor at the target
+        assert item.ids[item.position] != item.answer or task == "induction"
+    assert make_item(task, tok, 0, 3, 64).ids != make_item(task, tok, 1, 3, 64).ids
+
+
+def test_known_answer_items_are_solved_by_the_model(smollm2):
+    """Induction and lookup are what small models do well: most items right at top-1."""
+    right = 0
+    for index in range(8):
+        item = make_item("induction", smollm2.tokenizer, index, seed=0, tokens=48)
+        with torch.no_grad():
+            logits = smollm2.model(input_ids=torch.tensor([item.ids])).logits[0, -1]
+        right += int(logits.argmax()) == item.answer
+    assert right >= 6
+
+
+def test_removal_sets_cover_the_modes():
+    order = torch.arange(10, 0, -1)
+    sets = {(m, r): s for m, r, s in removal_sets(order, [0.1, 0.5])}
+    assert sets["comprehensiveness", 0.1].tolist() == [10]
+    assert sets["sufficiency", 0.1].tolist() == [1]
+    assert sets["insertion", 0.1].tolist() == list(range(9, 0, -1))  # all but the top one
+    assert len(sets["comprehensiveness", 0.5]) == 5
+
+
+class _MaskKeys:
+    def __init__(self, gone: list[int]) -> None:
+        self.gone = gone
+
+    def edit(self, call):
+        masked = torch.zeros(call.batch, call.num_heads, call.k_len, dtype=torch.bool)
+        masked[:, :, self.gone] = True
+        return AttentionEdit(masked=masked)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_key_mask_by_attention_mask_equals_masking_every_softmax(family):
+    """The attention-mask removal is the key_mask intervention of every layer and head."""
+    model = tiny_model(family, dtype=torch.float64)
+    ids = torch.randint(3, 90, (14,))
+    gone = [2, 5, 6]
+    editor = Editor(model, batch_size=4)
+    value = editor.values(ids, 7, [torch.tensor(gone)], "key_mask")[0]
+    with capturing(model.model, [], intervention=_MaskKeys(gone)), torch.no_grad():
+        logits = model.model(input_ids=ids[None], use_cache=False).logits[0, -1]
+    expected = float(torch.log_softmax(logits, -1)[7])
+    assert value == pytest.approx(expected, abs=1e-6)
+    assert value != pytest.approx(editor.values(ids, 7, [torch.tensor([])], "key_mask")[0])
+
+
+def test_embedding_removal_uses_the_mean_embedding():
+    model = tiny_model("llama", dtype=torch.float64)
+    ids = torch.randint(3, 90, (10,))
+    editor = Editor(model, batch_size=2)
+    embeds = model.model.get_input_embeddings()(ids[None]).clone()
+    embeds[0, [1, 4]] = model.model.get_input_embeddings().weight.mean(0)
+    with torch.no_grad():
+        logits = model.model(inputs_embeds=embeds).logits[0, -1]
+    expected = float(torch.log_softmax(logits, -1)[5])
+    got = editor.values(ids, 5, [torch.tensor([1, 4])], "embedding")[0]
+    assert got == pytest.approx(expected, abs=1e-5)  # the editor reads float32 logits
+
+
+def test_a_deletion_run_writes_its_tables_and_resumes(tmp_path):
+    model = tiny_model("llama")
+    texts = ["abcdefghijklmnopqrstuvwxyz" * 2, "the quick brown fox jumps over the lazy dog"]
+    options = AttributionEvalOptions(
+        task="deletion", n=2, tokens=20, methods="flow,input_x_gradient", rates=[0.1, 0.5]
+    )
+    assert text_item(model.tokenizer, texts[0], 20) is not None
+    result = attribution_eval(model, texts, options=options, out=tmp_path)
+    rows = result.rows
+    assert set(rows["kind"]) == {"hit", "curve"}
+    assert rows[rows["kind"] == "hit"]["rank"].isna().all()  # no known source
+    curves = rows[rows["kind"] == "curve"]
+    assert set(curves["mode"]) == {"comprehensiveness", "sufficiency", "insertion"}
+    assert set(curves["intervention"]) == {"key_mask", "embedding"}
+    # 2 methods + 3 seeds + recency, 2 interventions, 3 modes, 2 rates, per item
+    assert len(curves) == 2 * 6 * 2 * 3 * 2
+    assert {"measure", "comp_key_mask", "suff_embedding"} <= set(result.summary.columns)
+    for name in ("summary.csv", "curves.csv", "paired.csv", "rows.csv"):
+        assert (tmp_path / name).is_file()
+    again = attribution_eval(model, texts, options=options, out=tmp_path, resume=True)
+    pd.testing.assert_frame_equal(again.rows, result.rows, check_dtype=False)
+
+
+def _hits(flow: list[int], other: list[int]) -> AttributionEvalResult:
+    rows = []
+    for i, (a, b) in enumerate(zip(flow, other, strict=True)):
+        for name, hit in (("flow", a), ("input_x_gradient", b)):
+            rows.append({"item": i, "kind": "hit", "measure": name, "hit1": hit, "hit5": 1,
+                         "rank": 1 if hit else 3, "seconds": 0.1, "tokens": 9, "rate": "",
+                         "value_full": 0.0, "value": "", "delta": "", "correct": 1})  # fmt: skip
+    return AttributionEvalResult(AttributionEvalResult.frame(rows), {})
+
+
+def test_top1_hits_are_compared_paired_and_corrected():
+    """A known answer: flow right on 30 items where the other is wrong, never the reverse,
+    is a win; an even split is a tie."""
+    win = _hits([1] * 30 + [0] * 10, [0] * 30 + [0] * 10).hits_paired()
+    assert win.loc[0, "verdict"] == "reference better" and win.loc[0, "b"] == 30
+    tie = _hits([1, 0] * 20, [0, 1] * 20).hits_paired()
+    assert tie.loc[0, "verdict"] == "tie"
+    assert math.isclose(tie.loc[0, "p"], 1.0)
