@@ -10,6 +10,7 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
+import contribution_weights as cw
 from contribution_weights.attribution.tasks import make_item, text_item
 from contribution_weights.capture import AttentionEdit, capturing
 from contribution_weights.experiments.attribution_eval import (
@@ -115,6 +116,8 @@ def test_a_deletion_run_writes_its_tables_and_resumes(tmp_path):
         assert (tmp_path / name).is_file()
     again = attribution_eval(model, texts, options=options, out=tmp_path, resume=True)
     pd.testing.assert_frame_equal(again.rows, result.rows, check_dtype=False)
+    cw.plot(again, tmp_path / "attribution-eval.png")
+    assert (tmp_path / "attribution-eval.png").stat().st_size > 10_000
 
 
 def _hits(flow: list[int], other: list[int]) -> AttributionEvalResult:

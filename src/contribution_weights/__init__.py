@@ -47,8 +47,14 @@ from . import progress  # noqa: F401  (first: quiets tqdm's notebook warning; li
 
 if TYPE_CHECKING:  # what the names below resolve to, for type checkers and IDEs
     from . import data, kv
+    from .attribution.methods import AttributionMethod, register_attribution_method
+    from .attribution.options import AttributeOptions
+    from .attribution.result import Attribution
+    from .attribution.run import attribute
+    from .attribution.targets import Target, TargetError
     from .capture import CaptureError, CaptureSession, LayerCall, capturing
     from .experiments import geometry
+    from .experiments.attribution_eval import AttributionEvalResult, attribution_eval
     from .experiments.downstream import DownstreamOptions, DownstreamResult, downstream
     from .experiments.faithfulness import (
         FaithfulnessOptions,
@@ -100,12 +106,25 @@ _EXPORTS: dict[str, str] = {
     "write_report": ".presentation.report",
     "TraceOptions": ".tracing",
     "trace": ".tracing",
+    "attribute": ".attribution.run",
+    "Attribution": ".attribution.result",
+    "AttributeOptions": ".attribution.options",
+    "AttributionMethod": ".attribution.methods",
+    "register_attribution_method": ".attribution.methods",
+    "Target": ".attribution.targets",
+    "TargetError": ".attribution.targets",
+    "attribution_eval": ".experiments.attribution_eval",
+    "AttributionEvalResult": ".experiments.attribution_eval",
 }
 _MODULES = {"data": ".data", "kv": ".kv", "geometry": ".experiments.geometry"}
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AttributeOptions",
+    "Attribution",
+    "AttributionEvalResult",
+    "AttributionMethod",
     "CaptureError",
     "CaptureSession",
     "DownstreamOptions",
@@ -120,10 +139,14 @@ __all__ = [
     "LoadedModel",
     "Measure",
     "ModelLoadError",
+    "Target",
+    "TargetError",
     "Trace",
     "TraceOptions",
     "UnsupportedModelError",
     "__version__",
+    "attribute",
+    "attribution_eval",
     "capturing",
     "data",
     "downstream",
@@ -134,6 +157,7 @@ __all__ = [
     "load_model",
     "measure_names",
     "plot",
+    "register_attribution_method",
     "register_family",
     "register_figure",
     "register_measure",

@@ -36,7 +36,7 @@ class AttributeOptions(Options):
         "logprob", "what is explained: logprob, logit, contrast (with --foil) or flow "
         "(the pure contribution flow, no projection)", flag="--quantity", choices=QUANTITIES,
     )  # fmt: skip
-    continuation: str | None = option(
+    continuation: str | list[int] | None = option(
         None, "explain every token of this continuation of the text, each from the prompt "
         "and the continuation tokens before it", flag="--continuation",
     )  # fmt: skip
@@ -85,7 +85,12 @@ class AttributeOptions(Options):
                 "explains nothing: pick another foil"
             )
         if self.continuation is not None:
-            if not self.continuation.strip():
+            if isinstance(self.continuation, str):
+                empty = not self.continuation.strip()
+            else:
+                self.continuation = [int(i) for i in self.continuation]
+                empty = not self.continuation
+            if empty:
                 raise TargetError(
                     "the continuation is empty: pass the text whose tokens should be explained"
                 )

@@ -131,7 +131,11 @@ def targets_of(
     only the tokenizer (the command line checks a target before the model loads)."""
     continuation = None
     if options.continuation is not None:
-        cont = tokenizer(options.continuation, add_special_tokens=False)["input_ids"]
+        cont = (
+            tokenizer(options.continuation, add_special_tokens=False)["input_ids"]
+            if isinstance(options.continuation, str)
+            else options.continuation
+        )
         if not cont:
             raise TargetError("the continuation has no tokens: pass some text")
         continuation = [int(i) for i in cont]

@@ -145,6 +145,7 @@ def target_values(logits: Tensor, targets: Sequence[Target]) -> Tensor:
     """``(n,)``: each target's exact value from ``(n, V)`` logits (row k at target k's
     position; soft-capping already applied). ``flow`` targets read as NaN (no scalar)."""
     import torch
+
     logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
     out = torch.full((len(targets),), float("nan"), dtype=logits.dtype, device=logits.device)
     for k, t in enumerate(targets):

@@ -37,7 +37,13 @@ HEATMAP_CELLS = 1024  # a heatmap shows at most this many cells a side (longer: 
 #: figure module registers its own (faithfulness_plots, kv_plots, geometry_plots,
 #: attribution_plots)
 _FIGURES: dict[type, Callable[..., Any]] = {}
-_FIGURE_MODULES = ("faithfulness_plots", "kv_plots", "geometry_plots", "attribution_plots")
+_FIGURE_MODULES = (
+    "faithfulness_plots",
+    "kv_plots",
+    "geometry_plots",
+    "attribution_plots",
+    "attribution_eval_plots",
+)
 
 
 def register_figure(result_type: type, draw: Callable[..., Any]) -> Callable[..., Any]:

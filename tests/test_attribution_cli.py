@@ -1,0 +1,82 @@
+"""``cw attribute`` and ``cw.attribute``: bad targets fail before the model loads; a run
+writes its files; the API's keyword forms."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tiny_models import save_tiny, tiny_model
+
+import contribution_weights as cw
+from contribution_weights import loading
+from contribution_weights.attribution.result import Attribution
+from contribution_weights.attribution.targets import Target, TargetError
+from contribution_weights.cli import main
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return save_tiny("llama", tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--position", "99"], "out of range"),
+        (["--quantity", "contrast"], "needs a foil"),
+        (["--continuation", " "], "continuation is empty"),
+        (["--token-id", "5000"], "outside the model's vocabulary"),
+        (["--token", "ab", "--foil", "ab", "--quantity", "contrast"], "contrasted with itself"),
+        (["--token", "abc"], "not one"),
+        (["--method", "nope"], "unknown attribution method"),
+        (["--foil", "a"], "only read by --quantity contrast"),
+    ],
+)
+def test_bad_targets_exit_2_before_the_model_loads(folder, monkeypatch, capsys, args, message):
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded before the target was checked")
+
+    monkeypatch.setattr(loading, "load_model", refuse)
+    code = main(["attribute", "--text", "abcdef", "--model", str(folder), *args])
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_run_writes_json_figures_routes_and_html(folder, tmp_path, capsys):
+    out = tmp_path / "a"
+    code = main(
+        ["attribute", "--text", "abcabcab", "--model", str(folder), "--method",
+         "flow,rollout", "--routes", "--threshold", "0.05", "--out", str(out)]
+    )  # fmt: skip
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "target 0:" in printed and "flow" in printed and "rollout" in printed
+    for name in ("attribution.json", "routes.json", "attribution.png", "routes.png",
+                 "attribution.html"):  # fmt: skip
+        assert (out / name).is_file(), name
+    loaded = Attribution.load(out)
+    assert loaded.methods == ["flow", "rollout"]
+    assert loaded["flow"].shape == (1, len(loaded.tokens))
+    graphs = json.loads((out / "routes.json").read_text())
+    networkx = pytest.importorskip("networkx")
+    graph = networkx.node_link_graph(graphs[0], edges="edges")
+    assert graph.number_of_edges() == len(loaded.routes[0].edges) > 0
+
+
+def test_api_keywords_and_targets():
+    model = tiny_model("qwen3", dtype=torch.float64)
+    ids = torch.randint(3, 90, (12,))
+    a = cw.attribute(model, ids, method="flow", target=5, quantity="logit")
+    assert a.targets[0].position == 5 and a.targets[0].quantity == "logit"
+    b = cw.attribute(model, ids, target=Target(5, a.targets[0].token, "logit"))
+    torch.testing.assert_close(a["flow"], b["flow"])
+    # bias-free family: the scores decompose the logit (up to the float32 softmax)
+    assert a["flow"].sum().item() == pytest.approx(a.values[0], abs=1e-5)
+    assert (a["flow"][0, 6:] == 0).all()  # nothing after the target drives it
+    cont = cw.attribute(model, ids[:8], continuation=[9, 10, 11], methods=["flow"])
+    assert [t.position for t in cont.targets] == [7, 8, 9]
+    with pytest.raises(TargetError, match="routes are read from the contribution flow"):
+        cw.attribute(model, ids, methods="rollout", routes=True)
+    assert "flow" in a.summary() and a.top(3)[0][0] in range(6)
