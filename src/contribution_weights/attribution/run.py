@@ -17,7 +17,7 @@ from .flow import extract_routes, forward_factors, propagate
 from .methods import METHODS
 from .options import AttributeOptions
 from .result import Attribution, Edge, Routes
-from .targets import Target, TargetError, target_values, targets_for
+from .targets import Target, TargetError, resolve, target_values, targets_for
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -30,6 +30,7 @@ class MethodOutput:
     scores: Tensor
     explained: Tensor | None = None
     remainder: Tensor | None = None
+    logits: Tensor | None = None  # (n, V) at the target positions, where the method ran them
 
 
 MethodFunction = Callable[[LoadedModel, Tensor, list[Target], AttributeOptions], MethodOutput]
@@ -163,18 +164,19 @@ def prepare(
     return targets_of(model.tokenizer, ids, options, vocab)
 
 
-def _resolved(
-    model: LoadedModel, ids: Tensor, targets: list[Target]
-) -> tuple[list[Target], Tensor]:
-    """The targets with the model's top predictions filled in, and their exact values."""
-    from .targets import resolve
-
+def target_logits(model: LoadedModel, ids: Tensor, targets: list[Target]) -> Tensor:
+    """``(n, V)`` float32 logits at the target positions, from one forward that computes
+    the logits of the positions from the first target on only."""
     positions = torch.tensor([t.position for t in targets])
+    first = int(positions.min())
+    kwargs: dict[str, Any] = {}
+    if model.last_logits_only():  # the forward takes logits_to_keep
+        kwargs["logits_to_keep"] = ids.numel() - first
     with torch.no_grad():
-        logits = model.model(input_ids=ids[None].to(model.device), use_cache=False).logits[0]
-    rows = logits[positions.to(logits.device)].float()
-    resolved = resolve(targets, rows)
-    return resolved, target_values(rows, resolved)
+        logits = model.model(input_ids=ids[None].to(model.device), use_cache=False, **kwargs)
+    rows = logits.logits[0]
+    offset = ids.numel() - rows.shape[0]
+    return rows[(positions - offset).to(rows.device)].float()
 
 
 def attribute(
@@ -223,20 +225,33 @@ def attribute(
     ids, targets = prepare(model, text, options)
     if options.routes and "flow" not in options.methods:
         raise TargetError("routes are read from the contribution flow: add 'flow' to the methods")
-    targets, values = _resolved(model, ids, targets)
     scores: dict[str, Tensor] = {}
     explained: dict[str, list[float]] = {}
     remainder: dict[str, list[float]] = {}
     seconds: dict[str, float] = {}
     nan = [float("nan")] * len(targets)
-    for name in options.methods:
+    logits: Tensor | None = None
+    # the flows run first: their forward gives the logits that resolve the targets, so no
+    # method pays a forward for it; the others get the resolved targets
+    order = sorted(options.methods, key=lambda m: METHODS.get(m).scalar)
+    for name in order:
         fn = method_function(name)
+        if logits is None and METHODS.get(name).scalar:
+            logits = target_logits(model, ids, targets)
         start = time.perf_counter()
-        out = fn(model, ids, targets, options)
+        given = targets if logits is None else resolve(targets, logits)
+        out = fn(model, ids, given, options)
         seconds[name] = time.perf_counter() - start
+        if logits is None:
+            logits = out.logits.float() if out.logits is not None else None
         scores[name] = out.scores.detach().double().cpu()
         explained[name] = nan if out.explained is None else out.explained.double().tolist()
         remainder[name] = nan if out.remainder is None else out.remainder.double().tolist()
+    if logits is None:  # a registered method that reports no logits
+        logits = target_logits(model, ids, targets)
+    targets = resolve(targets, logits)
+    values = target_values(logits, targets)
+    scores = {m: scores[m] for m in options.methods}
     routes = _routes(model, ids, targets, options) if options.routes else None
     tokens = token_strings(model, ids)
     target_tokens = [_target_text(model, t) for t in targets]
