@@ -126,7 +126,8 @@ def _hits(flow: list[int], other: list[int]) -> AttributionEvalResult:
         for name, hit in (("flow", a), ("input_x_gradient", b)):
             rows.append({"item": i, "kind": "hit", "measure": name, "hit1": hit, "hit5": 1,
                          "rank": 1 if hit else 3, "seconds": 0.1, "tokens": 9, "rate": "",
-                         "value_full": 0.0, "value": "", "delta": "", "correct": 1})  # fmt: skip
+                         "value_full": 0.0, "value": "", "delta": "", "correct": 1,
+                         "rank_all": 1 if hit else 3})  # fmt: skip
     return AttributionEvalResult(AttributionEvalResult.frame(rows), {})
 
 
@@ -138,3 +139,14 @@ def test_top1_hits_are_compared_paired_and_corrected():
     tie = _hits([1, 0] * 20, [0, 1] * 20).hits_paired()
     assert tie.loc[0, "verdict"] == "tie"
     assert math.isclose(tie.loc[0, "p"], 1.0)
+
+
+def test_hits_rank_the_source_among_the_candidates_and_among_all():
+    from contribution_weights.attribution.tasks import Item
+    from contribution_weights.experiments.attribution_eval import AttributionEval
+
+    item = Item(ids=[5, 6, 7, 8, 9, 10], answer=7, sources=[2])
+    scores = torch.tensor([0.9, 0.1, 0.5, 0.3, 0.2, 5.0])  # the target (5) never counts
+    protected = AttributionEval._hits(scores, item, protect_first=True)
+    assert protected == {"rank": 1.0, "hit1": 1.0, "hit5": 1.0, "rank_all": 2.0}
+    assert AttributionEval._hits(scores, item, protect_first=False)["rank"] == 2.0

@@ -5,8 +5,9 @@ Per item (a generated known-answer item, or a natural text for ``deletion``), ev
 attributes the log-probability of the item's answer at its last position. Then:
 
 * **Known answer** (induction, lookup, passkey): the rank of the source token among the
-  candidate positions (every position but the target's own), and whether it is first
-  (top-1) or among the first five (top-5).
+  candidate positions (those of the curves: every position but the target's own, and
+  token 0 under sink protection), whether it is first (top-1) or among the first five
+  (top-5), and its rank among all positions but the target's (``rank_all``).
 * **Deletion and insertion**: the candidates (every position but the target's own, and
   token 0 under sink protection) are ranked by each method's scores and by the baselines
   (random seeds, recency); at each rate p the top ⌈p·N⌉ are removed (comprehensiveness:
@@ -50,7 +51,8 @@ MODES = ("comprehensiveness", "sufficiency", "insertion")
 REFERENCE = "flow"
 #: numeric columns (blank cells read back as NaN); item and tokens are ints
 NUMBERS = (
-    "rate", "value_full", "value", "delta", "rank", "hit1", "hit5", "correct", "seconds",
+    "rate", "value_full", "value", "delta", "rank", "hit1", "hit5", "rank_all", "correct",
+    "seconds",
 )  # fmt: skip
 #: every row has every column (a CSV's header is its first row's keys)
 COLUMNS = ("item", "kind", "measure", "intervention", "mode", *NUMBERS, "tokens")
@@ -209,7 +211,7 @@ class AttributionEval(Experiment["AttributionEvalResult"]):
             seconds = time.perf_counter() - start
             scores[name] = out.scores[0].detach().double().cpu()
             rows.append({**base, "kind": "hit", "measure": name, "seconds": seconds,
-                         **self._hits(scores[name], item)})  # fmt: skip
+                         **self._hits(scores[name], item, o.protect_first)})  # fmt: skip
         first = 1 if o.protect_first else 0
         candidates = torch.arange(first, item.position, dtype=torch.long)
         if candidates.numel() < 2:
@@ -226,13 +228,20 @@ class AttributionEval(Experiment["AttributionEvalResult"]):
         return [{c: row.get(c, "") for c in COLUMNS} for row in rows]
 
     @staticmethod
-    def _hits(scores: Tensor, item: Item) -> dict[str, float]:
+    def _hits(scores: Tensor, item: Item, protect_first: bool) -> dict[str, float]:
+        """The source's rank among the candidates of the curves (every position but the
+        target's, and token 0 under sink protection), its top-1 and top-5 hits, and its
+        rank among all positions but the target's (``rank_all``: token 0 competing)."""
         if not item.sources:
-            return {"rank": math.nan, "hit1": math.nan, "hit5": math.nan}
-        candidates = [j for j in range(item.position)]  # every position but the target's
-        order = sorted(candidates, key=lambda j: (-float(scores[j]), -j))
-        rank = 1 + min(order.index(s) for s in item.sources)
-        return {"rank": float(rank), "hit1": float(rank == 1), "hit5": float(rank <= 5)}
+            return {"rank": math.nan, "hit1": math.nan, "hit5": math.nan, "rank_all": math.nan}
+
+        def rank_among(first: int) -> int:
+            order = sorted(range(first, item.position), key=lambda j: (-float(scores[j]), -j))
+            return 1 + min(order.index(s) for s in item.sources)
+
+        rank = rank_among(1 if protect_first else 0)
+        return {"rank": float(rank), "hit1": float(rank == 1), "hit5": float(rank <= 5),
+                "rank_all": float(rank_among(0))}  # fmt: skip
 
     def phases(self) -> Iterator[Phase]:
         yield Phase(
@@ -303,7 +312,8 @@ class AttributionEvalResult(RowsResult):
         if not hits.empty:
             agg = hits.groupby("measure", sort=False).agg(
                 n=("item", "count"), top1=("hit1", "mean"), top5=("hit5", "mean"),
-                rank=("rank", "mean"), seconds=("seconds", "mean"),
+                rank=("rank", "mean"), top1_all=("rank_all", lambda r: float((r == 1).mean())),
+                seconds=("seconds", "mean"),
             )  # fmt: skip
             for measure, r in agg.iterrows():
                 out.setdefault(str(measure), {}).update({k: float(v) for k, v in r.items()})
