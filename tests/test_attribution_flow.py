@@ -364,3 +364,19 @@ def test_first_and_last_position(family):
             assert out.scores.shape == (1, position + 1)
             expected, _ = naive_scores(run, out.targets[0])
             assert_scores(out.scores[0], expected, f"{family} {quantity} at {position}")
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_neox"])
+def test_layer_breakdown_sums_to_the_attribution(family):
+    """Splitting the flow by the layer its terms come from loses nothing."""
+    from contribution_weights.attribution.flow import layer_breakdown
+
+    model = tiny_model(family, dtype=torch.float64)
+    ids = torch.randint(3, 90, (10,))
+    targets = targets_for(10, position=7, quantity="logit")
+    fwd, targets = forward_factors(model, ids, targets, dtype=torch.float64)
+    out = propagate(model, fwd, targets)
+    parts = layer_breakdown(model, fwd, targets, 0)
+    assert parts.shape == (2 * len(fwd.layers) + 1, 8)
+    torch.testing.assert_close(parts.sum(0), out.scores[0], atol=1e-10, rtol=1e-10)
+    assert parts[-1].count_nonzero() == 1  # the embedding's term sits at the target

@@ -434,9 +434,15 @@ def _alti_mix(f: LayerFactors, r: Tensor, block_bytes: int) -> Tensor:
 
 
 def _target_step(
-    f: LayerFactors, fwd: FlowForward, w: Tensor, stop: int, dtype: torch.dtype
+    f: LayerFactors,
+    fwd: FlowForward,
+    w: Tensor,
+    stop: int,
+    dtype: torch.dtype,
+    part: str = "both",
 ) -> Tensor:
-    """``g^l`` of method §7.3 for every target: D^l + μ^l · (row p of A^l)."""
+    """``g^l`` of method §7.3 for every target: D^l + μ^l · (row p of A^l); ``part``
+    ``"attention"`` or ``"feed_forward"`` gives one of the two terms alone."""
     call = f.call
     assert call is not None and f.back is not None and f.rho is not None and f.w_o is not None
     assert f.m_rows is not None
@@ -448,6 +454,10 @@ def _target_step(
     p_rows = probs[:, positions - lo].transpose(0, 1)  # (n, H, K)
     direct = w if f.s_rows is None else w * f.s_rows
     mu = (w * f.m_rows).sum(-1)  # (n,)
+    if part == "feed_forward":
+        direct = torch.zeros_like(direct)
+    if part == "attention":
+        mu = torch.zeros_like(mu)
     coef = torch.einsum("nd,hde->nhe", direct, f.w_o)
     if not fwd.parallel:  # the feed-forward block read y_p: μ is shared like y_p
         coef = coef + mu[:, None, None] * f.back[positions]
@@ -566,3 +576,33 @@ def extract_routes(
         if not frontier:
             break
     return cut, edges
+
+
+def layer_breakdown(
+    model: LoadedModel, fwd: FlowForward, targets: Sequence[Target], k: int
+) -> Tensor:
+    """Target ``k``'s flow attribution split by where its terms come from: ``(2L + 1, T')``,
+    row l the direct effect of layer l's attention update (D^l of method §7.3), row L + l
+    that of its feed-forward update (μ^l), each carried down to the input tokens; row 2L
+    the embedding's own term. The rows sum to the attribution. 2L times the cost of one
+    target: an analysis tool."""
+    target = targets[k]
+    if not target.projected:
+        raise ValueError("a layer breakdown needs a projected target (logprob, logit, contrast)")
+    dt = fwd.final_x.dtype
+    stop = int(fwd.positions.max()) + 1
+    num_layers = len(fwd.layers)
+    w, _ = readout_directions(model, fwd, targets)
+    # slots by origin, filled top down: slot 2·(L−1−l) and the next hold layer l's terms
+    r = torch.zeros(2 * num_layers, stop, dtype=dt, device=fwd.final_x.device)
+    for step, idx in enumerate(range(num_layers - 1, -1, -1)):
+        f = fwd.layers[idx]
+        if step:
+            r[: 2 * step] = mix("flow", f, r[: 2 * step], fwd.block_bytes)
+        r[2 * step] = _target_step(f, fwd, w, stop, dt, "attention")[k]
+        r[2 * step + 1] = _target_step(f, fwd, w, stop, dt, "feed_forward")[k]
+    by_origin = r.view(num_layers, 2, stop).flip(0)  # layer 0 first
+    p = int(fwd.positions[k])
+    embed = torch.zeros(1, stop, dtype=dt, device=r.device)
+    embed[0, p] = (w[k] * fwd.x0_rows[k]).sum()
+    return torch.cat([by_origin[:, 0], by_origin[:, 1], embed])

@@ -70,6 +70,14 @@ for _method in (
         cost="O(T² d) per layer",
     ),
     AttributionMethod(
+        "value_zeroing",
+        "run:value_zeroing_method",
+        "value zeroing (Mohebbi et al. 2023): cosine distance of each layer's output when a "
+        "token's values are zeroed, rows normalised, composed; a pure flow",
+        scalar=False,
+        cost="T re-runs of every layer",
+    ),
+    AttributionMethod(
         "integrated_gradients",
         "run:integrated_gradients_method",
         "integrated gradients on the input embeddings (captum), zero baseline",

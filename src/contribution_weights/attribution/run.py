@@ -67,6 +67,19 @@ rollout_method = _flow_rule("rollout")
 alti_method = _flow_rule("alti")
 
 
+def value_zeroing_method(
+    model: LoadedModel, ids: Tensor, targets: list[Target], options: AttributeOptions
+) -> MethodOutput:
+    """Value zeroing (Mohebbi et al. 2023), composed as a pure flow (method §7.5)."""
+    from .value_zeroing import value_zeroing
+
+    positions = torch.tensor([t.position for t in targets], dtype=torch.long)
+    scores = value_zeroing(model, ids, positions, dtype=_DTYPES[options.compute_dtype])
+    explained = torch.full((len(targets),), float("nan"), dtype=torch.float64)
+    remainder = 1.0 - scores.double().sum(-1).cpu()
+    return MethodOutput(_pad(scores, ids.numel()), explained, remainder)
+
+
 def _scalar_only(targets: list[Target], name: str) -> None:
     if any(not t.projected for t in targets):
         raise TargetError(
