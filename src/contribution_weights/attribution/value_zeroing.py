@@ -35,9 +35,10 @@ from ..measures.layer import reciprocal
 
 #: most copies of a layer's input run in one batch
 DEFAULT_COPIES = 64
-#: bound on one batch's activations: copies × tokens × hidden × this many bytes
-_BYTES_PER_ELEMENT = 32
+#: fewer copies at long context: copies × tokens × hidden × 32 bytes (the feed-forward
+#: block's activations, a float64 copy for the distances) stays under this
 DEFAULT_BATCH_BYTES = 1024**3
+_BYTES_PER_ELEMENT = 32
 
 
 @dataclass
@@ -82,14 +83,11 @@ class _LayerCall:
         """The call's arguments for a batch of ``copies`` copies of its input: the hidden
         states repeated, every other tensor with a batch dimension of 1 expanded."""
         x = self.hidden.expand(copies, -1, -1).contiguous()
-        if self.args:
-            args = (x, *(_expand(a, copies) for a in self.args[1:]))
-            kwargs = {k: _expand(v, copies) for k, v in self.kwargs.items()}
-        else:
-            args = ()
-            kwargs = {k: _expand(v, copies) for k, v in self.kwargs.items()}
+        kwargs = {k: _expand(v, copies) for k, v in self.kwargs.items()}
+        if not self.args:
             kwargs["hidden_states"] = x
-        return args, kwargs
+            return (), kwargs
+        return (x, *(_expand(a, copies) for a in self.args[1:])), kwargs
 
 
 def _expand(value: Any, copies: int) -> Any:
