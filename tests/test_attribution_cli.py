@@ -80,3 +80,15 @@ def test_api_keywords_and_targets():
     with pytest.raises(TargetError, match="routes are read from the contribution flow"):
         cw.attribute(model, ids, methods="rollout", routes=True)
     assert "flow" in a.summary() and a.top(3)[0][0] in range(6)
+
+
+def test_flow_alone_runs_one_forward():
+    """The flow's own forward resolves the targets: no second forward for the logits."""
+    model = tiny_model("llama")
+    calls = []
+    handle = model.model.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        cw.attribute(model, torch.randint(3, 90, (12,)), methods="flow")
+    finally:
+        handle.remove()
+    assert len(calls) == 1

@@ -26,6 +26,8 @@ class AttributionMethod:
             (rollouts) explain the position's final state and ignore the token.
         cost: its cost in forward passes, for the listing.
         aliases: other accepted spellings.
+        reports_logits: its output carries the logits at the target positions (its own
+            forward computed them): run first, it resolves the targets for the others.
     """
 
     name: str
@@ -34,6 +36,7 @@ class AttributionMethod:
     scalar: bool = True
     cost: str = ""
     aliases: tuple[str, ...] = ()
+    reports_logits: bool = False
 
 
 METHODS: Registry[AttributionMethod] = Registry("attribution method")
@@ -52,6 +55,7 @@ for _method in (
         "and projected on the target (method §7)",
         cost="~1.5 forwards",
         aliases=("contribution_flow",),
+        reports_logits=True,
     ),
     AttributionMethod(
         "rollout",
@@ -60,6 +64,7 @@ for _method in (
         "composed; a pure flow",
         scalar=False,
         cost="~1.5 forwards",
+        reports_logits=True,
     ),
     AttributionMethod(
         "alti",
@@ -68,6 +73,7 @@ for _method in (
         "composed; a pure flow",
         scalar=False,
         cost="O(T² d) per layer",
+        reports_logits=True,
     ),
     AttributionMethod(
         "value_zeroing",

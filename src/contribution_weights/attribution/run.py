@@ -59,7 +59,9 @@ def _flow_rule(rule: str) -> MethodFunction:
             model, ids, targets, dtype=dtype, keep_states=rule == "alti"
         )
         out = propagate(model, fwd, resolved, rule=rule)
-        return MethodOutput(_pad(out.scores, ids.numel()), out.explained, out.remainder)
+        return MethodOutput(
+            _pad(out.scores, ids.numel()), out.explained, out.remainder, logits=fwd.logits
+        )
 
     return run
 
@@ -255,10 +257,11 @@ def attribute(
     logits: Tensor | None = None
     # the flows run first: their forward gives the logits that resolve the targets, so no
     # method pays a forward for it; the others get the resolved targets
-    order = sorted(options.methods, key=lambda m: METHODS.get(m).scalar)
+    order = sorted(options.methods, key=lambda m: not METHODS.get(m).reports_logits)
     for name in order:
         fn = method_function(name)
-        if logits is None and METHODS.get(name).scalar:
+        method = METHODS.get(name)
+        if logits is None and method.scalar and not method.reports_logits:
             logits = target_logits(model, ids, targets)
         start = time.perf_counter()
         given = targets if logits is None else resolve(targets, logits)
