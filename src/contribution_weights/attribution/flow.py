@@ -121,7 +121,8 @@ class FlowForward:
     parallel: bool = False  # the feed-forward block reads x^l, not y (GPT-NeoX)
 
 
-def _first_tensor(value: Any) -> Tensor:
+def first_tensor(value: Any) -> Tensor:
+    """A module's output tensor, or the first element of a tuple output."""
     if isinstance(value, Tensor):
         return value
     if isinstance(value, tuple | list) and value and isinstance(value[0], Tensor):
@@ -196,17 +197,17 @@ class _Recorder:
     @staticmethod
     def _keep(store: dict[int, Tensor], idx: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
-            store[idx] = _first_tensor(out).detach()[0]
+            store[idx] = first_tensor(out).detach()[0]
 
         return hook
 
     def _final(self, module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
         self.final_in = args[0].detach()[0][self.positions]
-        self.final_out = _first_tensor(out).detach()[0][self.positions]
+        self.final_out = first_tensor(out).detach()[0][self.positions]
 
     def _post(self, idx: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
-            self._layer_done(idx, module, _first_tensor(out).detach()[0])
+            self._layer_done(idx, module, first_tensor(out).detach()[0])
 
         return hook
 

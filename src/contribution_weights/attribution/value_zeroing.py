@@ -32,6 +32,7 @@ from ..capture import AttentionEdit, LayerCall, capturing, check_all_layers_seen
 from ..families import UnsupportedModelError
 from ..loading import LoadedModel
 from ..measures.layer import reciprocal
+from .flow import first_tensor
 
 #: most copies of a layer's input run in one batch
 DEFAULT_COPIES = 64
@@ -102,14 +103,6 @@ def _expand(value: Any, copies: int) -> Any:
     return value
 
 
-def _first_tensor(value: Any) -> Tensor:
-    if isinstance(value, Tensor):
-        return value
-    if isinstance(value, tuple | list) and value and isinstance(value[0], Tensor):
-        return value[0]
-    raise UnsupportedModelError(f"expected a tensor output, got {type(value).__name__}")
-
-
 @contextmanager
 def _recording(layers: nn.ModuleList, calls: list[_LayerCall]) -> Iterator[None]:
     """Keep each decoder layer's arguments and output during one forward."""
@@ -122,7 +115,7 @@ def _recording(layers: nn.ModuleList, calls: list[_LayerCall]) -> Iterator[None]
 
     def post(idx: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, kwargs: Any, out: Any) -> None:
-            calls[idx].output = _first_tensor(out).detach()[0]
+            calls[idx].output = first_tensor(out).detach()[0]
 
         return hook
 
@@ -196,7 +189,7 @@ class ValueZeroing:
                 tokens = torch.arange(start, min(stop, start + self.copies))
                 zero.tokens = tokens
                 args, kwargs = call.batched(tokens.numel())
-                altered = _first_tensor(layer(*args, **kwargs))  # (B, T, d)
+                altered = first_tensor(layer(*args, **kwargs))  # (B, T, d)
                 block = cosine_distance(altered, reference[None])  # (B, T)
                 out[:, start : start + tokens.numel()] = block.T
         return torch.tril(out)

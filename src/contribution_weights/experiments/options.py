@@ -16,6 +16,7 @@ imported. Checking the measures imports the measure registry, when options are m
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -108,16 +109,7 @@ class RemovalOptions(Options):
         self.rates = check_rates(self.rates)
         self.sink_cosine = check_sink_cosine(self.sink_cosine)
         self.protect_sinks = bool(self.protect_sinks)
-        names = [b for b in split_names(self.baselines) if b != "none"]
-        for b in names:
-            if b not in BASELINES:
-                raise ValueError(
-                    f"unknown baseline {b!r}; choose from {', '.join(BASELINES)} (or none)"
-                )
-        self.baselines = list(dict.fromkeys(names))
-        if int(self.random_seeds) < 1:
-            raise ValueError(f"random_seeds must be at least 1, got {self.random_seeds}")
-        self.random_seeds = int(self.random_seeds)
+        self.baselines, self.random_seeds = check_baselines(self.baselines, self.random_seeds)
         if self.intervention not in INTERVENTIONS:
             raise ValueError(
                 f"unknown intervention {self.intervention!r}; choose from "
@@ -126,10 +118,7 @@ class RemovalOptions(Options):
 
     def rankings(self) -> list[str]:
         """What ranks tokens: the measures, then the baselines (``random:SEED`` per seed)."""
-        out = list(self.measures)
-        for b in self.baselines:
-            out += [f"random:{k}" for k in range(self.random_seeds)] if b == "random" else [b]
-        return out
+        return with_baselines(self.measures, self.baselines, self.random_seeds)
 
 
 @dataclass
@@ -169,6 +158,27 @@ class FaithfulnessOptions(RemovalOptions):
             Removal(m, mode, rate)
             for m, mode, rate in itertools.product(self.rankings(), self.modes, self.rates)
         ]
+
+
+def check_baselines(baselines: Any, random_seeds: Any) -> tuple[list[str], int]:
+    """Distinct known baseline names (``none`` dropped) and a seed count of at least 1."""
+    names = [b for b in split_names(baselines) if b != "none"]
+    for b in names:
+        if b not in BASELINES:
+            raise ValueError(
+                f"unknown baseline {b!r}; choose from {', '.join(BASELINES)} (or none)"
+            )
+    if int(random_seeds) < 1:
+        raise ValueError(f"random_seeds must be at least 1, got {random_seeds}")
+    return list(dict.fromkeys(names)), int(random_seeds)
+
+
+def with_baselines(rankings: Sequence[str], baselines: Sequence[str], seeds: int) -> list[str]:
+    """``rankings``, then the baselines (``random`` as ``random:SEED`` per seed)."""
+    out = list(rankings)
+    for b in baselines:
+        out += [f"random:{k}" for k in range(seeds)] if b == "random" else [b]
+    return out
 
 
 def check_rates(rates: Any) -> list[float]:
@@ -404,16 +414,7 @@ class AttributionEvalOptions(Options):
         self.methods = METHODS.resolve(split_names(self.methods))
         if not self.methods:
             raise ValueError("no attribution method given; e.g. --methods flow,input_x_gradient")
-        names = [b for b in split_names(self.baselines) if b != "none"]
-        for b in names:
-            if b not in BASELINES:
-                raise ValueError(
-                    f"unknown baseline {b!r}; choose from {', '.join(BASELINES)} (or none)"
-                )
-        self.baselines = list(dict.fromkeys(names))
-        if int(self.random_seeds) < 1:
-            raise ValueError(f"random_seeds must be at least 1, got {self.random_seeds}")
-        self.random_seeds = int(self.random_seeds)
+        self.baselines, self.random_seeds = check_baselines(self.baselines, self.random_seeds)
         self.rates = check_rates(self.rates)
         if not self.rates or min(self.rates) <= 0 or max(self.rates) >= 1:
             raise ValueError("--rates must lie strictly between 0 and 1, e.g. 0.1,0.2,0.5")
@@ -432,7 +433,4 @@ class AttributionEvalOptions(Options):
 
     def rankings(self) -> list[str]:
         """The methods, then the baselines (``random:SEED`` per seed)."""
-        out = list(self.methods)
-        for b in self.baselines:
-            out += [f"random:{k}" for k in range(self.random_seeds)] if b == "random" else [b]
-        return out
+        return with_baselines(self.methods, self.baselines, self.random_seeds)
