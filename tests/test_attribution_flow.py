@@ -319,15 +319,22 @@ def test_continuation_equals_one_at_a_time(family, quantity):
     assert together.scores.shape == (4, width)
     for k, t in enumerate(targets):
         assert together.targets[k] == t  # the continuation's tokens, not the top predictions
-        alone = library(loaded, [t])
-        w = t.position + 1
-        assert torch.allclose(together.scores[k, :w], alone.scores[0], rtol=0, atol=1e-12)
-        assert not bool(together.scores[k, w:].any())
-        for name in ("values", "explained", "remainder"):
-            a, b = getattr(together, name)[k], getattr(alone, name)[0]
-            assert torch.allclose(a, b, rtol=0, atol=1e-12, equal_nan=True), name
+        w = assert_equals_alone(loaded, together, k, t)
         expected, _ = naive_scores(run, t)
         assert_scores(together.scores[k, :w], expected, f"{family} {quantity} target {k}")
+
+
+def assert_equals_alone(loaded: LoadedModel, together: FlowOutput, k: int, t: Target) -> int:
+    """Target k of a joint pass equals the target alone (scores, values, explained,
+    remainder), and scores nothing after its position; returns its width."""
+    alone = library(loaded, [t])
+    w = t.position + 1
+    assert torch.allclose(together.scores[k, :w], alone.scores[0], rtol=0, atol=1e-12)
+    assert not bool(together.scores[k, w:].any())
+    for name in ("values", "explained", "remainder"):
+        a, b = getattr(together, name)[k], getattr(alone, name)[0]
+        assert torch.allclose(a, b, rtol=0, atol=1e-12, equal_nan=True), name
+    return w
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "gpt2"])
@@ -344,13 +351,7 @@ def test_mixed_targets_equal_one_at_a_time(family):
     together = library(loaded, targets)
     assert together.scores.shape == (4, 9)
     for k, t in enumerate(together.targets):
-        alone = library(loaded, [t])
-        w = t.position + 1
-        assert torch.allclose(together.scores[k, :w], alone.scores[0], rtol=0, atol=1e-12)
-        assert not bool(together.scores[k, w:].any())
-        for name in ("values", "explained", "remainder"):
-            a, b = getattr(together, name)[k], getattr(alone, name)[0]
-            assert torch.allclose(a, b, rtol=0, atol=1e-12, equal_nan=True), name
+        assert_equals_alone(loaded, together, k, t)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "gpt2"])
