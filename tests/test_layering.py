@@ -11,7 +11,7 @@ import contribution_weights
 PACKAGE = Path(contribution_weights.__file__).parent
 LAYERS = [
     {"registry", "defaults", "fields"},
-    {"families", "measures", "progress", "runs", "data", "tracing.storage"},
+    {"families", "measures", "progress", "runs", "data", "tracing.storage", "tracing.folder"},
     {"capture", "loading", "tracing.maps", "tracing.format", "tracing.result"},
     {"interventions", "inputs", "kv"},
     {"attribution"},

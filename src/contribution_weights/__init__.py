@@ -16,7 +16,8 @@ functions included, by ``tests/test_layering.py``):
    (the names and defaults the command line shows): pure Python, they import nothing;
 1. ``measures`` (pure maths), ``families`` (model families as data), ``runs`` (run
    folders), ``data`` (evaluation data), ``progress``, ``tracing.storage`` (where a
-   trace's maps live: memory or per-layer shards on disk);
+   trace's maps live: memory or per-layer shards on disk), ``tracing.folder`` (one
+   writer per trace folder, staged writes, checksums);
 2. ``capture`` (getting internals out of a model), ``loading`` (models), and the trace
    result: ``tracing.maps``, ``tracing.format`` (the folder), ``tracing.result`` (``Trace``);
 3. ``interventions`` (every intervention, and running them as batched forwards),

@@ -20,10 +20,18 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ..experiments.spec import EXPERIMENTS
-from . import attribute_cmd, experiment_cmd, geometry_cmd, measures_cmd, report_cmd, trace_cmd
+from . import (
+    attribute_cmd,
+    experiment_cmd,
+    geometry_cmd,
+    measures_cmd,
+    report_cmd,
+    trace_cmd,
+    verify_cmd,
+)
 
 #: commands written by hand; every registered experiment gets one generated from its spec
-COMMANDS = [trace_cmd, attribute_cmd, measures_cmd, report_cmd, geometry_cmd]
+COMMANDS = [trace_cmd, attribute_cmd, measures_cmd, report_cmd, verify_cmd, geometry_cmd]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..defaults import DEFAULT_TOP_K, STORAGE_DTYPE_NAMES
 from .common import (
@@ -16,6 +17,9 @@ from .common import (
     parse_int_list,
     read_text,
 )
+
+if TYPE_CHECKING:
+    from ..tracing import TraceOptions
 
 
 def _pairs(value: str) -> list[tuple[int, int]]:
@@ -111,9 +115,9 @@ def run(args: argparse.Namespace) -> int:
     check_out_dir(args.out)
     text = read_text(args)
     from ..inputs import InputError, resolve_layers
-    from ..loading import load_model, peek_dims
+    from ..loading import peek_dims
     from ..measures.registry import resolve_measures
-    from ..tracing import TraceOptions, trace
+    from ..tracing import TraceOptions
 
     if not text.strip():
         raise InputError("the text is empty; pass some text to trace")
@@ -134,6 +138,18 @@ def run(args: argparse.Namespace) -> int:
         memory_limit=args.memory_limit,
         exact_inputs=args.exact_inputs,
     )
+    from ..tracing.folder import writer_lock
+
+    # one writer per folder: a second `cw trace --out` into it is refused before the model
+    # loads; held across the trace and its figures
+    with writer_lock(args.out):
+        return _trace(args, text, options)
+
+
+def _trace(args: argparse.Namespace, text: str, options: TraceOptions) -> int:
+    from ..loading import load_model
+    from ..tracing import trace
+
     model = load_model(args.model, dtype=args.dtype, device=args.device)
     args.heads = check_heads(args.heads, model.num_layers, model.num_heads, args.layers)
     start = time.perf_counter()

@@ -12,7 +12,9 @@ The pieces, in the order data flows through them:
   disk written as they are computed);
 * :mod:`.result`: :class:`Trace`, what a trace returns (maps read on demand through
   :mod:`.maps`, reductions, tokens, save/load);
-* :mod:`.format`: the folder a trace is saved to, read back without knowing ``Trace``.
+* :mod:`.format`: the folder a trace is saved to, read back without knowing ``Trace``;
+* :mod:`.folder`: how it is written (one writer, staged, moved into place when complete)
+  and checked (per-file checksums, :func:`verify`).
 
 The storage, the map view, the folder format and the result sit low in the package's
 layering (they know nothing of models); the preflight, the recorder and the run sit
@@ -25,7 +27,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .format import prepare_folder, read_folder, trace_files
+    from .folder import TraceFolderBusy, verify
+    from .format import read_folder, trace_files
     from .maps import MeasureMap
     from .options import TraceOptions
     from .preflight import MemoryPlan, MemoryPreflightError, available_memory, plan_memory
@@ -35,7 +38,8 @@ if TYPE_CHECKING:
     from .storage import DenseMaps, MapStore, PackedMaps, TraceFileError
 
 _EXPORTS = {
-    "prepare_folder": ".format",
+    "TraceFolderBusy": ".folder",
+    "verify": ".folder",
     "read_folder": ".format",
     "trace_files": ".format",
     "MeasureMap": ".maps",
@@ -62,14 +66,15 @@ __all__ = [
     "PackedMaps",
     "Trace",
     "TraceFileError",
+    "TraceFolderBusy",
     "TraceOptions",
     "TraceRecorder",
     "available_memory",
     "plan_memory",
-    "prepare_folder",
     "read_folder",
     "trace",
     "trace_files",
+    "verify",
 ]
 
 

@@ -8,8 +8,12 @@ A trace is a folder (format 2; folders of the first format, a single
 * ``vectors.safetensors``: ``input_ids`` and the per-layer vectors;
 * ``reductions.safetensors``: the reductions, when they were computed in the forward;
 * ``tokens.json`` (``{"ids": [...], "tokens": [...]}``), ``meta.json`` (model, layers,
-  measures, stored maps, storage dtype) and ``summary.json`` (first-token weight and
-  entropy per weight measure; strict JSON, ``null`` where a value is undefined).
+  measures, stored maps, storage dtype, and the SHA-256 of every other data file,
+  ``checksums``) and ``summary.json`` (first-token weight and entropy per weight measure;
+  strict JSON, ``null`` where a value is undefined).
+
+A trace is written into a staging folder and moved into place when complete, by one
+writer at a time (:mod:`.folder`).
 
 This module never sees a :class:`~.result.Trace`: it writes the pieces it is given and
 reads a folder back into the pieces a trace is built from (:func:`read_folder`).
@@ -41,6 +45,9 @@ TRACE_FILES = (
     "heatmaps.png",
     "first_token_weight.png",
 )
+#: the entries of a trace folder: a new trace replaces all of them (figures included)
+TRACE_ENTRIES = ("maps", *TRACE_FILES)
+CHECKED_FILES = ("vectors.safetensors", "reductions.safetensors", "tokens.json", "summary.json")
 VECTOR_NAMES = (
     "bias_share",
     "degenerate",
@@ -54,22 +61,9 @@ VECTOR_NAMES = (
 
 
 # ---- folders ------------------------------------------------------------------------------
-def prepare_folder(out: Path) -> None:
-    """Make ``out`` an empty trace folder: create it, remove an earlier trace's files."""
-    import shutil
-
-    if out.exists() and not out.is_dir():
-        raise TraceFileError(f"{out} is a file, not a folder; choose another output folder")
-    out.mkdir(parents=True, exist_ok=True)
-    for name in TRACE_FILES:
-        (out / name).unlink(missing_ok=True)
-    if (out / "maps").is_dir():
-        shutil.rmtree(out / "maps")
-
-
 def trace_files(folder: str | Path) -> list[str]:
     """The trace files ``folder`` holds (``"maps/"`` for the shards), read from the disk:
-    after :func:`prepare_folder` and a trace, exactly the files that trace wrote."""
+    after a trace (which replaces every earlier trace file), exactly the files it wrote."""
     folder = Path(folder)
     found = ["maps/"] if (folder / "maps").is_dir() else []
     return found + [name for name in TRACE_FILES if (folder / name).is_file()]
@@ -100,8 +94,12 @@ def write_metadata(
     reductions: dict[str, MeasureReductions],
     meta: dict[str, Any],
     summary: dict[str, Any],
+    checksums: dict[str, str] | None = None,
 ) -> None:
-    """Write everything but the maps: vectors, reductions, tokens, meta, summary."""
+    """Write everything but the maps: vectors, reductions, tokens, summary, and meta last
+    with the checksums of those files and of the maps' shards (``checksums``)."""
+    from .folder import digests
+
     saved = {k: _savable(v) for k, v in vectors.items()}
     saved["input_ids"] = input_ids.to(torch.int64).contiguous()
     save_tensors(saved, out / "vectors.safetensors")  # 0o666 & ~umask, not save_file's 0600
@@ -115,9 +113,13 @@ def write_metadata(
                 tensors[k] = v.clone() if v.data_ptr() in seen else v
                 seen.add(v.data_ptr())
         save_tensors(tensors, out / "reductions.safetensors")
+    else:
+        (out / "reductions.safetensors").unlink(missing_ok=True)
     write_json(out / "tokens.json", {"ids": input_ids.tolist(), "tokens": tokens})
-    write_json(out / "meta.json", {**meta, "format": FORMAT})
     write_json(out / "summary.json", summary)
+    sums = {**(checksums or {}), **digests(out, list(CHECKED_FILES))}
+    meta = {**meta, "format": FORMAT, "checksums": dict(sorted(sums.items()))}
+    write_json(out / "meta.json", meta)
 
 
 def _savable(x: Tensor) -> Tensor:
@@ -164,13 +166,27 @@ def _check_registered(folder: Path, measures: list[str]) -> None:
         )
 
 
-def read_folder(folder: Path) -> dict[str, Any]:
-    """The pieces of the trace in ``folder`` (the arguments of ``Trace``), maps opened lazily."""
+def read_folder(folder: Path, verify: bool = False) -> dict[str, Any]:
+    """The pieces of the trace in ``folder`` (the arguments of ``Trace``), maps opened lazily.
+
+    ``verify``: first recompute every file's checksum and raise naming the damaged ones.
+    """
+    from .folder import _no_trace_hint
+    from .folder import verify as verify_folder
+
     if not folder.is_dir():
         raise TraceFileError(f"{folder} is not a folder; pass the folder a trace was written to")
     legacy = folder / "trace.safetensors"
     if not (folder / "meta.json").exists() and not legacy.exists():
-        raise TraceFileError(f"{folder} holds no trace (no meta.json); is it a trace folder?")
+        raise TraceFileError(f"{folder} holds no trace (no meta.json); {_no_trace_hint(folder)}")
+    if verify:
+        damaged = verify_folder(folder)
+        if damaged:
+            raise TraceFileError(
+                f"the trace in {folder} is damaged: "
+                + "; ".join(str(d) for d in damaged)
+                + ". Trace the text again, or copy the folder again from where it was written"
+            )
     meta = _read_json(folder / "meta.json", "meta.json, tokens.json and the tensors")
     tokens = _read_json(folder / "tokens.json", "tokens.json with the ids and tokens")
     if not isinstance(tokens, dict) or not isinstance(tokens.get("tokens"), list):
@@ -191,6 +207,7 @@ def read_folder(folder: Path) -> dict[str, Any]:
                 heads,
                 t,
                 storage_dtype(meta.get("storage_dtype", "float32")),
+                checksums=dict(meta.get("checksums") or {}),
             )
             for pos in range(len(meta["layers"])):
                 if not maps.path(pos).is_file():
@@ -230,7 +247,7 @@ def read_folder(folder: Path) -> dict[str, Any]:
                 f"{name} in {folder} has shape {tuple(v.shape)}, not ({len(meta['layers'])}, …, "
                 f"{t}): the folder mixes two traces; trace the text again into an empty folder"
             )
-    known = ("model", "layers", "measures", "num_heads", "stored", "maps", "format")
+    known = ("model", "layers", "measures", "num_heads", "stored", "maps", "format", "checksums")
     return dict(
         input_ids=ids,
         tokens=list(tokens["tokens"]),

@@ -33,7 +33,8 @@ from torch import Tensor
 from ..measures.layer import Factors
 from ..measures.reductions import DEFAULT_TOP_K, MeasureReductions, ReductionAccumulator
 from ..measures.registry import get_measure
-from .format import prepare_folder, read_folder, write_metadata
+from .folder import staged, writer_lock
+from .format import TRACE_ENTRIES, read_folder, write_metadata
 from .maps import MeasureMap
 from .storage import DenseMaps, MapStore, PackedMaps, dtype_name, is_causal, storage_dtype
 
@@ -320,34 +321,45 @@ class Trace:
         """Write the trace as a folder (format 2, see module docstring).
 
         ``storage``: dtype of the maps on disk (default: the trace's own). A folder holds
-        one trace: files of an earlier trace there are removed first.
+        one trace: an earlier trace there is replaced once the new one is complete
+        (:mod:`.folder`), and a folder another process is writing is refused.
         """
         out = Path(directory)
         if self.path is not None and out.resolve() == self.path.resolve():
-            self._write_metadata(out)
+            with writer_lock(out):
+                self._write_metadata(out)
             return out
         dtype = storage_dtype(storage or self.meta.get("storage_dtype", "float32"))
-        prepare_folder(out)
-        if self.maps is not None:
-            store = PackedMaps(
-                out / "maps", self.maps.names, self.layers, self.num_heads, self.num_tokens, dtype
-            )
-            for pos in range(len(self.layers)):
-                stop = self.vectors.get("key_stop")
-                causal = True if stop is None else is_causal(stop[pos])
-                store.start_layer(pos, causal)
-                for name in self.maps.names:
-                    for q0, block in self.iter_blocks(name, pos):
-                        store.write(name, pos, slice(q0, q0 + block.shape[1]), block)
-                store.finish_layer(pos)
-            store.close()
-        meta = {**self.meta, "storage_dtype": dtype_name(dtype)}
-        copy = Trace(**{**self.__dict__, "meta": meta, "path": out})
-        copy._write_metadata(out)
+        with staged(out, TRACE_ENTRIES) as stage:
+            store = None
+            if self.maps is not None:
+                store = PackedMaps(
+                    stage / "maps",
+                    self.maps.names,
+                    self.layers,
+                    self.num_heads,
+                    self.num_tokens,
+                    dtype,
+                )
+                for pos in range(len(self.layers)):
+                    stop = self.vectors.get("key_stop")
+                    causal = True if stop is None else is_causal(stop[pos])
+                    store.start_layer(pos, causal)
+                    for name in self.maps.names:
+                        for q0, block in self.iter_blocks(name, pos):
+                            store.write(name, pos, slice(q0, q0 + block.shape[1]), block)
+                    store.finish_layer(pos)
+                store.close()
+            meta = {**self.meta, "storage_dtype": dtype_name(dtype)}
+            copy = Trace(**{**self.__dict__, "meta": meta, "path": stage})
+            copy._write_metadata(stage, None if store is None else store.checksums)
         return out
 
-    def _write_metadata(self, out: Path) -> None:
-        """Everything but the maps (:func:`~.format.write_metadata`)."""
+    def _write_metadata(self, out: Path, checksums: dict[str, str] | None = None) -> None:
+        """Everything but the maps (:func:`~.format.write_metadata`); ``checksums``: the
+        shards' (default: those of this trace's own shards on disk)."""
+        if checksums is None and self.maps is not None:
+            checksums = self.maps.checksums
         meta = {
             **self.meta,
             "model": self.model_name,
@@ -365,12 +377,24 @@ class Trace:
             reductions=self.reductions,
             meta=meta,
             summary=self.summary().to_dict(orient="index"),
+            checksums=checksums,
         )
 
+    def moved_to(self, folder: str | Path) -> None:
+        """The trace's files now live in ``folder`` (moved there from a staging folder)."""
+        self.path = Path(folder)
+        if self.maps is not None:
+            self.maps.moved(self.path / "maps")
+
     @classmethod
-    def load(cls, directory: str | Path) -> Trace:
-        """Open a trace folder lazily (maps are read when indexed)."""
-        return cls(**read_folder(Path(directory)))
+    def load(cls, directory: str | Path, verify: bool = False) -> Trace:
+        """Open a trace folder lazily (maps are read when indexed).
+
+        ``verify``: first check every file against the checksums recorded when the trace
+        was written, and raise :class:`~.storage.TraceFileError` naming the damaged ones
+        (without it, a whole layer read from disk is checked as it is read).
+        """
+        return cls(**read_folder(Path(directory), verify=verify))
 
     def __repr__(self) -> str:
         t = self.num_tokens

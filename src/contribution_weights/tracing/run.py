@@ -13,6 +13,7 @@ model's own sdpa kernel. Before anything is allocated, the preflight
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, overload
@@ -25,7 +26,8 @@ from ..inputs import InputError, encode, resolve_layers, token_strings
 from ..loading import LoadedModel
 from ..measures.reductions import ReductionAccumulator
 from ..measures.registry import resolve_measures, stored_measures
-from .format import prepare_folder
+from .folder import staged
+from .format import TRACE_ENTRIES
 from .options import TraceOptions
 from .preflight import _preflight
 from .recorder import TraceRecorder
@@ -130,44 +132,48 @@ def trace(
     )
     heads = model.num_heads
     stored = stored_measures(names, storage) if maps else []
-    store: MapStore | None = None
+    with contextlib.ExitStack() as stack:
+        # on disk: written into a staging folder, moved into place once complete (.folder)
+        stage = None if folder is None else stack.enter_context(staged(folder, TRACE_ENTRIES))
+        store: MapStore | None = None
+        if maps and stage is not None:
+            store = PackedMaps(stage / "maps", stored, layer_list, heads, t, storage)
+        elif maps:
+            store = DenseMaps(stored, len(layer_list), heads, t, storage, model.device)
+        reducer = None
+        if not maps or stage is not None:
+            reducer = ReductionAccumulator(
+                names, len(layer_list), heads, t, top_k, dtype, model.device
+            )
+        recorder = TraceRecorder(names, layer_list, t, dtype, store=store, reducer=reducer)
+        recorder.eager_everywhere = opts.exact_inputs
+        _run(model, ids, recorder, block_bytes, progress)
+        if store is not None:
+            store.close()
+            store = store.to("cpu")
+        result = Trace(
+            input_ids=ids.cpu(),
+            tokens=token_strings(model, ids),
+            layers=layer_list,
+            measures=names,
+            num_heads=heads,
+            vectors={k: v.cpu() for k, v in recorder.vectors.items()},
+            maps=store,
+            reductions={} if reducer is None else {k: _cpu(r) for k, r in reducer.results.items()},
+            model_name=model.name,
+            meta={
+                "model_type": model.config.model_type,
+                "compute_dtype": dtype_name(dtype),
+                "storage_dtype": dtype_name(storage),
+                "model_dtype": dtype_name(model.model.dtype),
+                "num_layers": model.num_layers,
+            },
+            path=stage,
+        )
+        if stage is not None:
+            result._write_metadata(stage)
     if folder is not None:
-        prepare_folder(folder)
-    if maps and folder is not None:
-        store = PackedMaps(folder / "maps", stored, layer_list, heads, t, storage)
-    elif maps:
-        store = DenseMaps(stored, len(layer_list), heads, t, storage, model.device)
-    reducer = None
-    if not maps or folder is not None:
-        reducer = ReductionAccumulator(names, len(layer_list), heads, t, top_k, dtype, model.device)
-    recorder = TraceRecorder(names, layer_list, t, dtype, store=store, reducer=reducer)
-    recorder.eager_everywhere = opts.exact_inputs
-    _run(model, ids, recorder, block_bytes, progress)
-    if store is not None:
-        store.close()
-    if store is not None:
-        store = store.to("cpu")
-    result = Trace(
-        input_ids=ids.cpu(),
-        tokens=token_strings(model, ids),
-        layers=layer_list,
-        measures=names,
-        num_heads=heads,
-        vectors={k: v.cpu() for k, v in recorder.vectors.items()},
-        maps=store,
-        reductions={} if reducer is None else {k: _cpu(r) for k, r in reducer.results.items()},
-        model_name=model.name,
-        meta={
-            "model_type": model.config.model_type,
-            "compute_dtype": dtype_name(dtype),
-            "storage_dtype": dtype_name(storage),
-            "model_dtype": dtype_name(model.model.dtype),
-            "num_layers": model.num_layers,
-        },
-        path=folder,
-    )
-    if folder is not None:
-        result._write_metadata(folder)
+        result.moved_to(folder)
     return result
 
 

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from ..defaults import STORAGE_DTYPE_NAMES  # light: the CLI's choices
+from .folder import TraceFileError, check_file, file_digest
 
 STORAGE_DTYPES = {name: getattr(torch, name) for name in STORAGE_DTYPE_NAMES}
 _ST_DTYPE = {
@@ -39,10 +40,6 @@ _ST_DTYPE = {
     torch.bfloat16: "BF16",
     torch.float64: "F64",
 }
-
-
-class TraceFileError(ValueError):
-    """A trace folder that cannot be read: the message names the file and the problem."""
 
 
 def storage_dtype(value: str | torch.dtype) -> torch.dtype:
@@ -130,6 +127,8 @@ class MapStore(Protocol):
     """
 
     names: list[str]
+    #: files on disk -> digest (``maps/layer-NNN.safetensors``); empty for maps in memory
+    checksums: dict[str, str]
 
     def start_layer(self, pos: int, causal: bool) -> None:
         """Layer ``pos`` begins; ``causal``: every query sees only keys up to itself."""
@@ -159,6 +158,10 @@ class MapStore(Protocol):
         """The maps on ``device`` (stores on disk stay where they are)."""
         ...
 
+    def moved(self, folder: str | Path) -> MapStore:
+        """The store's files now live in ``folder`` (a no-op for maps in memory)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -180,6 +183,7 @@ class DenseMaps:
     ) -> None:
         self.names = list(names)
         self.dtype = dtype
+        self.checksums: dict[str, str] = {}
         shape = (num_layers, num_heads, num_tokens, num_tokens)
         # not zero-filled (a pass over gigabytes): each block zeroes the keys of its rows
         # that it does not cover (those its queries cannot see)
@@ -214,6 +218,9 @@ class DenseMaps:
 
     def to(self, device: str) -> DenseMaps:
         self.tensors = {k: v.to(device) for k, v in self.tensors.items()}
+        return self
+
+    def moved(self, folder: str | Path) -> DenseMaps:
         return self
 
     def close(self) -> None:
@@ -255,8 +262,13 @@ class PackedMaps:
         num_tokens: int,
         dtype: torch.dtype,
         layouts: dict[int, str] | None = None,
+        checksums: dict[str, str] | None = None,
     ) -> None:
         self.folder = Path(folder)
+        # "maps/layer-NNN.safetensors" -> digest: recorded as each shard is finished when
+        # writing; when reading, what meta.json recorded (a whole-layer read checks it)
+        self.checksums: dict[str, str] = dict(checksums or {})
+        self._checked: set[int] = set()
         self.names = list(names)
         self.layers = list(layers)
         self.num_heads = num_heads
@@ -269,6 +281,16 @@ class PackedMaps:
 
     def path(self, pos: int) -> Path:
         return self.folder / f"layer-{self.layers[pos]:03d}.safetensors"
+
+    def key(self, pos: int) -> str:
+        """Layer ``pos``'s shard as the trace folder's checksums name it."""
+        return f"{self.folder.name}/{self.path(pos).name}"
+
+    def moved(self, folder: str | Path) -> PackedMaps:
+        """The shards now live in ``folder`` (the trace was moved into place)."""
+        self.close()
+        self.folder = Path(folder)
+        return self
 
     # ---- writing -----------------------------------------------------------------------
     def _open_for_write(self, pos: int, layout: str) -> int:
@@ -333,6 +355,9 @@ class PackedMaps:
         fd = self._fds.pop(pos, None)
         if fd is not None:
             os.close(fd)
+            # read back at once, while the shard is in the page cache
+            self.checksums[self.key(pos)] = file_digest(self.path(pos))
+            self._checked.add(pos)
 
     def to(self, device: str) -> PackedMaps:
         return self  # on disk, read back by memory map
@@ -358,15 +383,29 @@ class PackedMaps:
         return self._readers[pos]
 
     def read(self, name: str, pos: int, heads: slice, rows: slice) -> Tensor:
-        handle = self._reader(pos)
         t = self.num_tokens
         start, stop, _ = rows.indices(t)  # clipped to the trace, as slicing a tensor would be
         rows = slice(start, max(start, stop))
+        if (rows.start, rows.stop) == (0, t) and heads.indices(self.num_heads)[:2] == (
+            0,
+            self.num_heads,
+        ):
+            self.check(pos)  # a whole layer: check its shard first (once)
+        handle = self._reader(pos)
         view = handle.get_slice(name)
         if self.layouts[pos] == "full":
             return _float(view[heads, rows, :])
         packed = view[heads, packed_offset(rows.start) : packed_offset(rows.stop)]
         return unpack_rows(_float(packed), rows.start, rows.stop - rows.start, t)
+
+    def check(self, pos: int) -> None:
+        """Raise :class:`TraceFileError` when layer ``pos``'s shard is not what the trace
+        wrote (checked once per process; a shard without a recorded checksum passes)."""
+        if pos in self._checked:
+            return
+        if self.path(pos).is_file():
+            check_file(self.path(pos), self.checksums.get(self.key(pos)))
+        self._checked.add(pos)
 
     def close(self) -> None:
         for pos in list(self._fds):
@@ -380,6 +419,7 @@ class LegacyMaps:
     def __init__(self, path: Path, names: list[str]) -> None:
         self.path = path
         self.names = list(names)
+        self.checksums: dict[str, str] = {}
         self._handle: Any = None
 
     def _open(self) -> Any:
@@ -405,6 +445,9 @@ class LegacyMaps:
 
     def to(self, device: str) -> LegacyMaps:
         return self  # read from the file
+
+    def moved(self, folder: str | Path) -> LegacyMaps:
+        return self  # a first-format file is read, never written: it does not move
 
     def read(self, name: str, pos: int, heads: slice, rows: slice) -> Tensor:
         return _float(self._open().get_slice(name)[pos : pos + 1, heads, rows][0])
