@@ -17,6 +17,7 @@ window=32)``); register one with :func:`register_method`, or pass the instance i
 :func:`prefill` (``methods=[...]``: gather only what they need) and :func:`compress`.
 
 Modules: :mod:`.methods` (the registry, pure maths on per-layer statistics),
+:mod:`.renormalised` (the exact change of a head's output when a key is evicted),
 :mod:`.scoring` (the prefill on the capture path), :mod:`.cache` (eviction and positions),
 :mod:`.evaluate` (the language-modelling and passkey tasks behind ``cw kv-eval``).
 """
@@ -37,6 +38,7 @@ from .methods import (
     Method,
     ObservedAttention,
     Random,
+    Renormalised,
     SnapKV,
     StreamingLLM,
     VATPProjected,
@@ -46,6 +48,7 @@ from .methods import (
     register_method,
     resolve_methods,
 )
+from .renormalised import renormalised_effect
 from .scoring import Prefill, StatsObserver, compressible_layers, prefill
 
 __all__ = [
@@ -65,6 +68,7 @@ __all__ = [
     "ObservedAttention",
     "Prefill",
     "Random",
+    "Renormalised",
     "SnapKV",
     "StatsObserver",
     "StreamingLLM",
@@ -79,5 +83,6 @@ __all__ = [
     "n_kept",
     "prefill",
     "register_method",
+    "renormalised_effect",
     "resolve_methods",
 ]

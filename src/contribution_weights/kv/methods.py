@@ -44,6 +44,11 @@ pooling kernel 5, 4 sink tokens), so ``benchmarks/kvpress_crosscheck.py`` can co
   paper's own sink rule (hidden-state cosine > 0.95 with token 0) is not used: in Gemma 3
   it flags almost every token at some layers (508 of 512 at layer 11), so it cannot serve
   as a protected set inside a budget.
+* ``renormalised`` — ours: the exact change of each head's output when the key is evicted
+  and the softmax renormalises, ``‖Δo_ij^(h)‖ = α_ij ‖o_i^(h) − ṽ_j^(h)‖ / (1 − α_ij)``
+  (:mod:`.renormalised`), summed over the last ``window`` queries and the query heads of
+  each KV group; the window's own keys are always kept, as for ``contribution``.
+* ``renormalised_sinks`` — the same, with the first 4 tokens always kept.
 * ``random`` — a seeded uniform draw.
 
 Scores of GQA models are combined over the query heads of a KV group (sum or mean, which
@@ -81,6 +86,7 @@ STATISTICS = (
     "window_contribution",
     "projected_value_norm",
     "window_queries",
+    "window_renormalised",
 )
 
 
@@ -97,9 +103,13 @@ class LayerStats:
         window_queries: ``(B, H, w, d_h)`` the last ``w`` queries as the attention saw them
             (after RoPE and any query norm), with ``scaling`` the attention's scale (their
             logits are ``scaling · q_i · k_j``).
+        window_renormalised: ``(B, H, T)`` Σ_i ‖Δo_ij^(h)‖ over the last ``w`` queries, the
+            exact change of head h's projected output for query i when key j is evicted
+            (:func:`~.renormalised.renormalised_effect`).
         seed: for ``random``.
         contribution_by_window: Σ_i |ĉ_ij^(h)| over the last ``n`` queries, for the windows
             ``n`` of methods whose own window is shorter than the observation window.
+        renormalised_by_window: Σ_i ‖Δo_ij^(h)‖ over the last ``n`` queries, likewise.
 
     A statistic no chosen method needs is None (:func:`~.scoring.prefill` skips it).
     """
@@ -111,10 +121,12 @@ class LayerStats:
     window_contribution: Float[Tensor, "b h t"] | None = None
     projected_value_norm: Float[Tensor, "b h t"] | None = None
     window_queries: Float[Tensor, "b h w dh"] | None = None
+    window_renormalised: Float[Tensor, "b h t"] | None = None
     scaling: float = 1.0
     seed: int = 0
     window: int = WINDOW
     contribution_by_window: dict[int, Tensor] = field(default_factory=dict)
+    renormalised_by_window: dict[int, Tensor] = field(default_factory=dict)
 
     @property
     def num_kv_heads(self) -> int:
@@ -148,15 +160,29 @@ class LayerStats:
 
     def contribution_of_window(self, window: int | None) -> Tensor:
         """``(B, H, T)``: Σ |ĉ| over the last ``window`` queries (None: the whole window)."""
+        return self._sum_of_window(
+            "window_contribution", self.contribution_by_window, window, "contribution"
+        )
+
+    def renormalised_of_window(self, window: int | None) -> Tensor:
+        """``(B, H, T)``: Σ ‖Δo‖ over the last ``window`` queries (None: the whole window)."""
+        return self._sum_of_window(
+            "window_renormalised", self.renormalised_by_window, window, "renormalised effect"
+        )
+
+    def _sum_of_window(
+        self, name: str, by_window: dict[int, Tensor], window: int | None, what: str
+    ) -> Tensor:
+        """A window sum: the statistic ``name`` for the whole window, else ``by_window``."""
         w = self._window(window)
         if w == self.window_size:
-            return self.need("window_contribution")
-        if w not in self.contribution_by_window:
+            return self.need(name)
+        if w not in by_window:
             raise ValueError(
-                f"the prefill gathered no contribution over the last {w} queries; prefill "
+                f"the prefill gathered no {what} over the last {w} queries; prefill "
                 "with the methods you will compress by (cw.kv.prefill(model, ids, methods=[...]))"
             )
-        return self.contribution_by_window[w]
+        return by_window[w]
 
     def queries_of_window(self, window: int | None) -> Tensor:
         """``(B, H, w, d_h)``: the last ``window`` queries (None: the whole window)."""
@@ -458,6 +484,24 @@ class Contribution(Method):
 
 
 @dataclass(frozen=True)
+class Renormalised(Method):
+    """Ours, exact: Σ over the window's queries and the query heads of each KV group of
+    ‖Δo_ij^(h)‖ = α_ij ‖o_i^(h) − ṽ_j^(h)‖ / (1 − α_ij), how far evicting key j moves the
+    head's projected output once the softmax renormalises over the rest (contribution
+    measures the first-order change without renormalisation). The window's own keys are
+    always kept, and the first ``sinks`` tokens."""
+
+    window: int | None = None
+    sinks: int = 0
+    needs = ("window_renormalised",)
+
+    def score(self, stats: LayerStats) -> Scores:
+        scores = stats.per_kv_head(stats.renormalised_of_window(self.window), reduce="sum")
+        scores = _protect_last(scores, _window_keys(stats, self.window))
+        return _protect_first(scores, self.sinks)
+
+
+@dataclass(frozen=True)
 class KeyDiff(Method):
     """Park et al. 2025: keep the most distinctive keys; score = −cos(k_j, k̄) with k̄ the
     mean of the head's unit keys (kvpress's anchor)."""
@@ -596,6 +640,16 @@ for _m in (
     Contribution(
         "contribution_sinks",
         f"ours, with the first {N_SINK} tokens (sinks) always kept",
+        sinks=N_SINK,
+    ),
+    Renormalised(
+        "renormalised",
+        f"ours, exact: Σ ‖Δo‖ on eviction (softmax renormalised) over {_window_text(None)} "
+        "and the group",
+    ),
+    Renormalised(
+        "renormalised_sinks",
+        f"ours, exact renormalised effect, with the first {N_SINK} tokens (sinks) always kept",
         sinks=N_SINK,
     ),
     Random("random", "uniform random (seeded)"),

@@ -8,7 +8,8 @@ statistics, so one prefill serves all methods and ratios.
 
 Speed. When no chosen method needs every query's attention (H2O, H2O with a recent
 window, VATP and observed attention do; SnapKV, TOVA, the window methods, contribution,
-CriticalKV on SnapKV, expected attention, KeyDiff, key norm and StreamingLLM do not),
+the renormalised effect, CriticalKV on SnapKV, expected attention, KeyDiff, key norm and
+StreamingLLM do not),
 the observer names the window's queries (``query_rows``): every layer then runs on the
 model's own sdpa kernel, and only the window's probabilities are computed eagerly. The
 cache and logits then come from sdpa, not eager attention, and differ by float rounding
@@ -20,10 +21,11 @@ Memory. Capture shows the observer the attention probabilities block by block (q
 rows, see :mod:`~contribution_weights.capture`). The observer keeps, per layer, only
 ``(B, H, T)`` running sums (accumulated attention) and, for the rows of the last
 ``window`` queries, their ``(B, H, w, T)`` probabilities (and, for expected attention,
-their ``(B, H, w, d_h)`` queries). The contribution ĉ is computed
-from the block's tensors for those window rows only (:meth:`LayerBlock.tensors` with the
-window's rows): nothing of size ``(H, T, T)`` is built beyond what capture itself builds
-for one block.
+their ``(B, H, w, d_h)`` queries). The contribution ĉ and the renormalised effect ‖Δo‖
+(:mod:`.renormalised`) are computed from the block's tensors for those window rows only
+(:meth:`LayerBlock.tensors` with the window's rows), each summed over the rows at once:
+nothing of size ``(H, T, T)`` is built beyond what capture itself builds for one block,
+and nothing of size ``(w, T, d_h)``.
 
 Sliding-window layers (Gemma 2/3, Mistral with a window) are not compressed: their cache
 is already bounded by the window, and transformers sizes their attention masks from the
@@ -51,9 +53,10 @@ from .methods import (
     method_names,
     method_needs,
 )
+from .renormalised import renormalised_effect
 
 #: window statistics computed from the block's layer tensors (output projection included)
-_FROM_BLOCK = frozenset({"window_contribution", "projected_value_norm"})
+_FROM_BLOCK = frozenset({"window_contribution", "projected_value_norm", "window_renormalised"})
 
 
 @dataclass
@@ -64,6 +67,8 @@ class _Partial:
     by_window: dict[int, Tensor] = field(default_factory=dict)
     projected_value_norm: Tensor | None = None
     window_queries: list[Tensor] = field(default_factory=list)
+    window_renormalised: Tensor | None = None
+    renormalised_by_window: dict[int, Tensor] = field(default_factory=dict)
     scaling: float = 1.0
     keys: Tensor | None = None
     values: Tensor | None = None
@@ -73,8 +78,8 @@ class StatsObserver:
     """Collects :class:`LayerStats` inputs for the layers in ``layers`` (capture Observer).
 
     ``needs`` names the statistics to gather (:data:`~.methods.STATISTICS`, default all);
-    ``windows`` the shorter windows (numbers of last queries) to sum the contribution over
-    besides the whole observation window.
+    ``windows`` the shorter windows (numbers of last queries) to sum the contribution and
+    the renormalised effect over besides the whole observation window.
     """
 
     def __init__(
@@ -141,12 +146,22 @@ class StatsObserver:
         if "window_contribution" in self.needs:
             c = contribution_weights(lt).abs()  # (B, H, I, T) over these window rows
             part.window_contribution = _add(part.window_contribution, c.sum(2))
-            for w in self.windows:  # the last w queries among these rows
-                first = max(0, call.q_len - w - start)
-                if first < c.shape[2]:
-                    part.by_window[w] = _add(part.by_window.get(w), c[:, :, first:].sum(2))
+            self._add_windows(part.by_window, c, call.q_len - start)
+        if "window_renormalised" in self.needs:
+            # ‖Δo_ij^(h)‖ in the d_h-sized metric of W_O^(h)ᵀ W_O^(h): z_i, v_j, no ṽ built
+            r = renormalised_effect(lt.probs, lt.head_values, lt.head_states, lt.gram)
+            part.window_renormalised = _add(part.window_renormalised, r.sum(2))
+            self._add_windows(part.renormalised_by_window, r, call.q_len - start)
         if part.projected_value_norm is None and "projected_value_norm" in self.needs:
             part.projected_value_norm = lt.value_norm
+
+    def _add_windows(self, sums: dict[int, Tensor], x: Tensor, rows_left: int) -> None:
+        """Add to ``sums[w]`` the rows of ``x`` ``(B, H, I, T)`` among the last ``w`` queries
+        (``rows_left``: the queries from the first row of ``x`` to the end)."""
+        for w in self.windows:
+            first = max(0, rows_left - w)
+            if first < x.shape[2]:
+                sums[w] = _add(sums.get(w), x[:, :, first:].sum(2))
 
     def stats(self, seed: int) -> dict[int, LayerStats]:
         out = {}
@@ -162,10 +177,12 @@ class StatsObserver:
                 window_queries=(
                     torch.cat(part.window_queries, dim=2) if part.window_queries else None
                 ),
+                window_renormalised=part.window_renormalised,
                 scaling=part.scaling,
                 seed=seed + idx,
                 window=self.window,
                 contribution_by_window=dict(part.by_window),
+                renormalised_by_window=dict(part.renormalised_by_window),
             )
         return out
 
