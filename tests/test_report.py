@@ -322,27 +322,35 @@ def test_cli_report_traces_with_a_progress_bar(tmp_path, monkeypatch):
     assert calls == [True]
 
 
-def test_a_trace_without_maps_says_it_has_none_and_what_to_run(tmp_path, capsys):
+def test_a_trace_without_maps_gets_the_long_view_and_the_full_view_says_why_not(tmp_path, capsys):
     """Not "the trace has none of the measures" while listing them as present."""
+    from contribution_weights.presentation.long_report import read_long_report
+
     reduced = cw.trace(tiny_model("llama"), TEXT, maps=False)
     for write in (
-        lambda: write_report(reduced, tmp_path / "a.html", progress=False),
-        lambda: cw.write_report(reduced, tmp_path / "b.html"),
+        lambda: write_report(reduced, tmp_path / "a.html", progress=False, view="full"),
+        lambda: cw.write_report(reduced, tmp_path / "b.html", view="full"),
     ):
         with pytest.raises(ValueError, match="holds no maps") as err:
             write()
-        assert "maps=False" in str(err.value) and "out=DIR" in str(err.value)
+        assert "maps=False" in str(err.value) and 'view="long"' in str(err.value)
         assert "--no-maps" not in str(err.value)  # the Python spelling in the API
+    info = write_report(reduced, tmp_path / "auto.html", progress=False)
+    meta, chunks = read_long_report(info.path)
+    assert info.view == "long" and meta["window"] is None
+    assert all(c.window.shape[0] == 0 for c in chunks.values())
+    assert "holds no maps" in info.warnings[0]
     folder = reduced.save(tmp_path / "reduced")
     out = tmp_path / "r.html"
-    assert main(["report", "--trace", str(folder), "--out", str(out)]) == 2
+    assert main(["report", "--trace", str(folder), "--out", str(out), "--view", "full"]) == 2
     message = " ".join(capsys.readouterr().err.split())
     assert "holds no maps" in message and "cw trace --no-maps" in message
+    assert "--view long" in message
     assert "cw trace --file TEXT --model tiny-llama --out DIR" in message
-    assert "--measures attention,contribution --storage-dtype float16" in message
-    assert f"cw report --file TEXT --model tiny-llama --out {out}" in message
     assert "maps=False" not in message and "has none of" not in message
     assert not out.exists()
+    assert main(["report", "--trace", str(folder), "--out", str(out)]) == 0
+    assert "long view" in capsys.readouterr().out and out.exists()
 
 
 def test_cli_report_traces_distance_only_when_named(tmp_path, monkeypatch):

@@ -284,3 +284,84 @@ def test_short_reports_keep_linear_defaults():
 
     assert view_defaults(60) == {"contrast": "linear", "heat_rows": "block"}
     assert view_defaults(LONG_TEXT_TOKENS) == {"contrast": "sqrt", "heat_rows": "row"}
+
+
+def test_the_long_view_in_the_browser(tmp_path, browser):
+    """The long view (per-token heat over the text, a window of queries) shows the trace's
+    reductions: token scores, each query's first-token weight, a query's top sources,
+    and the window's rows, within the stated 8-bit rounding."""
+    from contribution_weights.presentation.long_report import first_weights, key_bins
+
+    trace = cw.trace(tiny_model("qwen2"), (TEXT + " ") * 2)
+    t = trace.num_tokens
+    info = write_report(trace, tmp_path / "long.html", view="long", window=(20, 60), progress=False)
+    assert info.view == "long"
+    b = browser
+    b.open(info.path)
+    _settled(b)
+    assert _errors(b) == []
+    assert b.js("return document.querySelectorAll('#cw-tokens .tok').length;") == t
+    last = trace.layers[-1]
+    pos = trace.layer_position(last)
+
+    def check(want: np.ndarray, signed: bool) -> None:
+        shown = _shown_weights(b)
+        assert sorted(shown) == list(range(t))
+        got = np.array([shown[j] for j in range(t)])
+        step = np.abs(want).max() / (127 if signed else 255)
+        assert np.abs(got - want).max() <= step / 2 * (1 + 1e-5) + 1e-12
+
+    # default: contribution, last layer, sum over heads, token scores
+    b.wait(f"document.body.dataset.rendered === 'contribution|{last}|{trace.num_heads}|scores|59'")
+    check(trace.token_scores("contribution")[pos].double().sum(0).numpy(), signed=True)
+
+    # each query's weight on token 0, one head, attention
+    b.select("#cw-measure", "attention")
+    b.select("#cw-head", "2")
+    b.select("#cw-heat", "first")
+    b.wait(f"document.body.dataset.rendered === 'attention|{last}|2|first|59'")
+    check(first_weights(trace, "attention")[pos, 2].numpy(), signed=False)
+
+    # click a token: its top sources in head 2 are coloured, nothing else
+    b.select("#cw-heat", "sources")
+    b.click('#cw-tokens .tok[data-i="45"]')
+    b.wait(f"document.body.dataset.rendered === 'attention|{last}|2|sources|45'")
+    values, keys = trace.top_k("attention", 3)
+    want = {
+        int(k): float(v)
+        for k, v in zip(keys[pos, 2, 45], values[pos, 2, 45], strict=True)
+        if k >= 0
+    }
+    shown = _shown_weights(b)
+    assert sorted(shown) == sorted(want)
+    top = max(want.values())
+    for j, v in want.items():
+        assert shown[j] == pytest.approx(v / top, abs=0.5 / 127 + 1e-9)
+
+    # the window: 40 query rows over the key bins; the selected query's row is dark, and
+    # the largest cell of another row has the full positive colour
+    assert b.js(
+        "const c = document.getElementById('cw-win-canvas'); return [c.width, c.height];"
+    ) == [
+        len(key_bins(t)),
+        40,
+    ]
+    pixel = (
+        "return Array.from(document.getElementById('cw-win-canvas').getContext('2d')"
+        ".getImageData(arguments[0], arguments[1], 1, 1).data).slice(0, 3);"
+    )
+    assert tuple(b.js(pixel, 0, 45 - 20)) == (17, 24, 39)
+    row = trace["attention"][pos, :, 30].double().sum(0).numpy()
+    assert _close(tuple(b.js(pixel, int(row.argmax()), 30 - 20)), POS)
+    # clicking a window row selects that query
+    b.js(
+        "const c = document.getElementById('cw-win-canvas'); const r = c.getBoundingClientRect();"
+        "c.dispatchEvent(new MouseEvent('click', {clientX: r.left + 2, "
+        "clientY: r.top + r.height * (10.5 / 40), bubbles: true}));"
+    )
+    b.wait(f"document.body.dataset.rendered === 'attention|{last}|2|sources|30'")
+    assert b.js("return document.querySelectorAll('#cw-chart polyline').length;") == len(
+        trace.weight_measures()
+    )
+    assert _errors(b) == []
+    b.screenshot(ARTIFACTS / "report-long-view.png")

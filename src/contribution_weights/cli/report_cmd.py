@@ -71,9 +71,36 @@ def register(sub: argparse._SubParsersAction) -> None:
         choices=PRECISIONS,
         help="uint8: 8 bits per value, scaled per query row (default); float16: 2 bytes",
     )
+    p.add_argument(
+        "--view",
+        default="auto",
+        choices=["auto", "full", "long"],
+        help="full: every T x T map (size grows as T^2); long: per-token heat over the whole "
+        "text and the maps of a window of queries (linear in T; the only view of a "
+        "--no-maps trace; default size limit 20M); auto (default): full up to 1,024 tokens",
+    )
+    p.add_argument(
+        "--window",
+        type=_window,
+        default=None,
+        metavar="START:STOP",
+        help="long view: the queries whose maps are embedded (default: the last 128)",
+    )
     p.add_argument("--title", default=None, help="page title")
     p.add_argument("--out", type=Path, required=True, help="the HTML file to write")
     p.set_defaults(func=run)
+
+
+def _window(value: str) -> tuple[int, int]:
+    start, sep, stop = value.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        return int(start), int(stop)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not START:STOP (query positions, e.g. 3968:4096)"
+        ) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     check_out_file(args.out)  # before any tracing or loading
     if args.trace is not None:
         result = Trace.load(args.trace)
-        if not result.has_maps:
+        if not result.has_maps and args.view == "full":
             import shlex
 
             from ..inputs import InputError
@@ -92,12 +119,10 @@ def run(args: argparse.Namespace) -> int:
             raise InputError(
                 f"{args.trace} holds no maps: it was written by `cw trace --no-maps`, which "
                 "keeps only per-(layer, head) reductions (token scores, first-token weight, "
-                "entropy, top-k keys), and the report shows T x T maps. Trace the text again "
-                f"without --no-maps, e.g. `cw trace --file TEXT{flag} --out DIR --measures "
-                "attention,contribution --storage-dtype float16` (maps streamed to disk, in "
-                f"half the space, for a long text), then `cw report --trace DIR --out "
-                f"{args.out}`; or report the text directly: `cw report --file TEXT{flag} "
-                f"--out {args.out}`"
+                "entropy, top-k keys), and the full view shows T x T maps. Use the long view "
+                f"(--view long or auto), or trace the text again without --no-maps, e.g. "
+                f"`cw trace --file TEXT{flag} --out DIR --measures attention,contribution "
+                "--storage-dtype float16` (maps streamed to disk, in half the space)"
             )
         layers = args.layers
         if layers is not None:
@@ -140,10 +165,13 @@ def run(args: argparse.Namespace) -> int:
             max_bytes=args.max_bytes,
             precision=args.precision,
             title=args.title,
+            view=args.view,
+            window=args.window,
         )
     print(
-        f"wrote {info.path} ({info.size_bytes / 2**20:.2f} MiB; {len(info.layers)} of "
-        f"{len(result.layers)} layers; measures {', '.join(info.measures)}; {info.precision})"
+        f"wrote {info.path} ({info.size_bytes / 2**20:.2f} MiB; {info.view} view; "
+        f"{len(info.layers)} of {len(result.layers)} layers; measures "
+        f"{', '.join(info.measures)}; {info.precision})"
     )
     for note in info.warnings:
         print(f"warning: {note}")

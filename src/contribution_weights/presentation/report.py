@@ -49,6 +49,9 @@ from .report_data import (  # DEFAULT_*: light, for `cw report --help` before to
 
 if TYPE_CHECKING:
     from ..tracing.result import Trace
+    from .long_report import LongEncoder
+
+VIEWS = ("auto", "full", "long")
 
 NOTEBOOK_MAX_BYTES = 8 * 2**20
 FORMAT_VERSION = 1
@@ -61,8 +64,9 @@ _CHUNK_TAG = '<script type="application/x-cw-chunk" id="{id}">{data}</script>\n'
 #: ``cw report`` says the same with the CLI's)
 NO_MAPS_MESSAGE = (
     "this trace holds no maps, only per-(layer, head) reductions (token scores, first-token "
-    "weight, entropy, top-k keys): it was traced with maps=False, and the report shows "
-    "T × T maps. Trace the text again with maps, e.g. cw.trace(model, text, "
+    "weight, entropy, top-k keys): it was traced with maps=False, and the full view shows "
+    'T × T maps. Write the long view (view="long" or "auto"), which shows the reductions '
+    "over the text, or trace the text again with maps, e.g. cw.trace(model, text, "
     'measures=["attention", "contribution"], out=DIR, storage_dtype="float16") for a long '
     "text (maps streamed to disk, in half the space), and write that trace's report"
 )
@@ -83,6 +87,7 @@ class ReportInfo:
     dropped_layers: list[int]
     precision: str
     warnings: list[str] = field(default_factory=list)
+    view: str = "full"
 
 
 def traced_measures() -> list[str]:
@@ -106,7 +111,7 @@ def _resolve_measures(
     trace: Trace, measures: str | list[str] | tuple[str, ...] | None
 ) -> list[str]:
     if measures is None:
-        names = [m for m in DEFAULT_MEASURES if m in trace]
+        names = [m for m in DEFAULT_MEASURES if m in trace.measures]
         if not names:
             raise ValueError(
                 "the trace has none of the report's default measures "
@@ -120,7 +125,7 @@ def _resolve_measures(
         measures = [m.strip() for m in measures.split(",") if m.strip()]
     names = []
     for name in measures:
-        if name not in trace:
+        if name not in trace.measures:
             raise ValueError(
                 f"measure {name!r} is not in this trace (it has {', '.join(trace.measures)}); "
                 "trace it first or leave it out of the report"
@@ -271,10 +276,7 @@ class _Encoder:
         )
 
     def estimate(self, layers: list[int]) -> float:
-        """Bytes of these layers: exact where encoded, the mean of those elsewhere."""
-        known = [self.layer_bytes(x) for x in self._layers]
-        mean = sum(known) / len(known) if known else 0.0
-        return sum(self.layer_bytes(x) if x in self._layers else mean for x in layers)
+        return estimate_bytes(self.layer_bytes, list(self._layers), layers)
 
     def close(self) -> None:
         self.bar.total = self.bar.n  # layers left out were never encoded
@@ -282,8 +284,20 @@ class _Encoder:
         self.bar.close()
 
 
+def estimate_bytes(
+    layer_bytes: Callable[[int], int], encoded: list[int], layers: list[int]
+) -> float:
+    """Bytes of these layers: exact where encoded, the mean of those elsewhere."""
+    known = [layer_bytes(x) for x in encoded]
+    mean = sum(known) / len(known) if known else 0.0
+    return sum(layer_bytes(x) if x in encoded else mean for x in layers)
+
+
 def _choose_layers(
-    enc: _Encoder, wanted: list[int], max_bytes: int, page_for: Callable[[list[int]], str]
+    enc: _Encoder | LongEncoder,
+    wanted: list[int],
+    max_bytes: int,
+    page_for: Callable[[list[int]], str],
 ) -> tuple[list[int], str] | None:
     """The most evenly spaced layers whose page fits in ``max_bytes``, and that page.
 
@@ -335,17 +349,24 @@ def build_report(
     compact: bool = False,
     title: str | None = None,
     progress: bool = True,
+    view: str = "auto",
+    window: tuple[int, int] | None = None,
 ) -> tuple[str, ReportInfo]:
     """The report's HTML text and what it holds (see :func:`write_report`)."""
     check_precision(precision)
-    if not trace.has_maps:
+    view = resolve_view(trace, view)
+    if view == "full" and not trace.has_maps:
         raise ValueError(NO_MAPS_MESSAGE)
     names = _resolve_measures(trace, measures)
+    if view == "long" and measures is None:  # a page linear in T: the two measures asked for
+        names = [m for m in ("attention", "contribution") if m in names] or names
     wanted = list(trace.layers) if layers is None else sorted({int(x) for x in layers})
     for layer in wanted:
         trace.layer_position(layer)  # raises with the traced layers listed
     if not wanted:
         raise ValueError("no layer given for the report; pass layers=None for all traced layers")
+    if view == "long":
+        return _build_long(trace, names, wanted, max_bytes, title, progress, window)
     with status("report: summary (first-token weight, entropy)", enabled=progress):
         table, chart = _summary_tables(trace)
     enc = _Encoder(trace, names, precision, progress, len(wanted))
@@ -425,6 +446,125 @@ def build_report(
     return page, info
 
 
+def resolve_view(trace: Trace, view: str) -> str:
+    """``"full"`` (every T × T map) or ``"long"`` (:mod:`.long_report`); ``"auto"``: full
+    up to :data:`~.long_report.LONG_VIEW_TOKENS` tokens, long beyond and for a trace
+    without maps."""
+    from .long_report import LONG_VIEW_TOKENS
+
+    if view not in VIEWS:
+        raise ValueError(f"unknown view {view!r}; use one of {', '.join(VIEWS)}")
+    if view == "auto":
+        return "long" if trace.num_tokens > LONG_VIEW_TOKENS or not trace.has_maps else "full"
+    return view
+
+
+def _build_long(
+    trace: Trace,
+    names: list[str],
+    wanted: list[int],
+    max_bytes: int | None,
+    title: str | None,
+    progress: bool,
+    window: tuple[int, int] | None,
+) -> tuple[str, ReportInfo]:
+    """The long view's page (:mod:`.long_report`), layers chosen to fit ``max_bytes``
+    (default :data:`~.long_report.LONG_MAX_BYTES`) as the full view chooses them."""
+    from .long_report import (
+        DEFAULT_WINDOW,
+        KEY_BINS,
+        LONG_MAX_BYTES,
+        SOURCES_K,
+        LongEncoder,
+        render_long,
+        resolve_window,
+    )
+
+    limit = LONG_MAX_BYTES if max_bytes == DEFAULT_MAX_BYTES else max_bytes
+    span = resolve_window(trace, window)
+    kept = trace.kept_reductions(names[0]).top_keys  # without maps, no more than these
+    k = SOURCES_K if trace.has_maps else min(SOURCES_K, 0 if kept is None else kept.shape[-1])
+    signed = {}
+    for name in names:
+        r = trace.kept_reductions(name)
+        values = (r.token_sums, r.first, r.top_values)
+        signed[name] = _declared_signed(name) or any(
+            v is not None and bool((v < 0).any()) for v in values
+        )
+    with status("report: summary (first-token weight, entropy)", enabled=progress):
+        table, chart = _summary_tables(trace)
+    enc = LongEncoder(trace, names, span, k, signed, progress, len(wanted))
+    title = title or f"Contribution weights · {trace.model_name or 'trace'}"
+    meta: dict[str, Any] = {
+        "version": FORMAT_VERSION,
+        "view": "long",
+        "title": title,
+        "model": trace.model_name,
+        "tokens": list(trace.tokens),
+        "num_tokens": trace.num_tokens,
+        "num_heads": trace.num_heads,
+        "traced_layers": list(trace.layers),
+        "measure_order": names,
+        "measures": {n: _measure_meta(n, signed[n]) for n in names},
+        "window": None if span is None else list(span),
+        "key_bins": min(trace.num_tokens, KEY_BINS),
+        "default_window": DEFAULT_WINDOW,
+        "sources_k": k,
+        "summary": table,
+        "first_token_weight": chart,
+    }
+
+    def notes_for(chosen: list[int]) -> list[str]:
+        notes = []
+        if span is None:
+            notes.append(
+                "This trace holds no maps (traced with maps=False / --no-maps): the page "
+                "shows the per-token views, without the query × key window."
+            )
+        if chosen != wanted and limit is not None:
+            dropped = [layer for layer in wanted if layer not in chosen]
+            notes.append(
+                f"All {len(wanted)} layers would not fit the limit of "
+                f"{limit / 2**20:.1f} MiB: embedded {len(chosen)} evenly spaced layers "
+                f"({', '.join(map(str, chosen))}); left out {_ranges(dropped)}. Raise "
+                "max_bytes (cw report --max-bytes), pick layers, or embed fewer measures."
+            )
+        return notes
+
+    def page_for(chosen: list[int]) -> str:
+        chunks: dict[str, str] = {}
+        for layer in chosen:
+            chunks.update(enc.layer(layer))
+        return render_long({**meta, "layers": chosen, "warnings": notes_for(chosen)}, chunks, title)
+
+    if limit is None:
+        chosen, page = wanted, page_for(wanted)
+    else:
+        found = _choose_layers(enc, wanted, limit, page_for)
+        if found is None:
+            enc.close()
+            raise ValueError(
+                f"even one layer makes the report larger than max_bytes={limit:,}; raise "
+                "max_bytes (CLI: --max-bytes) or embed fewer measures"
+            )
+        chosen, page = found
+    enc.close()
+    notes = notes_for(chosen)
+    if chosen != wanted:
+        warnings.warn(ReportSizeWarning(notes[-1]), stacklevel=3)
+    info = ReportInfo(
+        path=None,
+        size_bytes=len(page.encode()),
+        measures=names,
+        layers=list(chosen),
+        dropped_layers=[layer for layer in wanted if layer not in chosen],
+        precision="uint8",
+        warnings=notes,
+        view="long",
+    )
+    return page, info
+
+
 def write_report(
     trace: Trace,
     path: str | Path,
@@ -436,6 +576,8 @@ def write_report(
     compact: bool = False,
     title: str | None = None,
     progress: bool = True,
+    view: str = "auto",
+    window: tuple[int, int] | None = None,
 ) -> ReportInfo:
     """Write the interactive report of ``trace`` as one self-contained HTML file.
 
@@ -449,6 +591,13 @@ def write_report(
         compact: the smaller layout used in notebooks.
         title: page title (default: from the model name).
         progress: show a progress bar while encoding.
+        view: ``"full"`` (every T × T map, quadratic in the length), ``"long"``
+            (per-token heat over the whole text and the maps of a window of queries,
+            linear in the length: :mod:`.long_report`; the only view of a trace without
+            maps) or ``"auto"``: full up to 1,024 tokens, long beyond. The long view's
+            default ``max_bytes`` is 20 MiB.
+        window: the long view's queries ``(start, stop)`` whose maps are embedded
+            (default: the last 128).
     """
     page, info = build_report(
         trace,
@@ -459,6 +608,8 @@ def write_report(
         compact=compact,
         title=title,
         progress=progress,
+        view=view,
+        window=window,
     )
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

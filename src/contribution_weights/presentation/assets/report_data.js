@@ -5,6 +5,22 @@
  * are base64 text in script elements, zlib-compressed; they are inflated on first use
  * with the browser's DecompressionStream and kept in a small LRU cache.
  */
+/* base64 text -> bytes; zlib bytes -> Promise<ArrayBuffer> (shared by both views). */
+function cwBase64Bytes(text) {
+  const bin = atob(text.trim());
+  const out = new Uint8Array(bin.length);
+  for (let i = 0; i < bin.length; i++) out[i] = bin.charCodeAt(i);
+  return out;
+}
+
+async function cwInflate(bytes) {
+  if (typeof DecompressionStream === "undefined") {
+    throw new Error("this browser lacks DecompressionStream (needs Chrome 80+, Firefox 113+ or Safari 16.4+)");
+  }
+  const stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream("deflate"));
+  return new Response(stream).arrayBuffer();
+}
+
 function cwStore(META) {
   "use strict";
   const T = META.num_tokens;
@@ -32,21 +48,6 @@ function cwStore(META) {
     return table;
   }
 
-  function base64Bytes(text) {
-    const bin = atob(text.trim());
-    const out = new Uint8Array(bin.length);
-    for (let i = 0; i < bin.length; i++) out[i] = bin.charCodeAt(i);
-    return out;
-  }
-
-  async function inflate(bytes) {
-    if (typeof DecompressionStream === "undefined") {
-      throw new Error("this browser lacks DecompressionStream (needs Chrome 80+, Firefox 113+ or Safari 16.4+)");
-    }
-    const stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream("deflate"));
-    return new Response(stream).arrayBuffer();
-  }
-
   function makeChunk(buf, signed) {
     if (META.precision === "float16") {
       F16 = F16 || float16Table();
@@ -70,7 +71,7 @@ function cwStore(META) {
     const id = META.chunks[key];
     if (!id) return Promise.reject(new Error("no data for " + key));
     const el = document.getElementById(id);
-    const promise = inflate(base64Bytes(el.textContent)).then((buf) => makeChunk(buf, META.measures[measure].signed));
+    const promise = cwInflate(cwBase64Bytes(el.textContent)).then((buf) => makeChunk(buf, META.measures[measure].signed));
     cache.set(key, promise);
     while (cache.size > CACHE_MAX) cache.delete(cache.keys().next().value);
     return promise;
