@@ -580,3 +580,34 @@ def test_cli_steps_after_a_streamed_trace_read_bounded_blocks(tmp_path, monkeypa
     summary = tr.summary()
     tr.save(out)  # rewrites the metadata, summary.json included
     assert not summary.empty and not reads
+
+
+def test_no_step_after_a_streamed_trace_loads_a_whole_layer(tmp_path, monkeypatch, capsys):
+    """`cw trace --out` (its summary and figures), `cw report` of the folder in the long
+    view and `cw verify` read a streamed trace in bounded pieces: a read of every head and
+    every query of a layer at once (what costs 2.4 GB per layer of SmolLM2 at 8,192 tokens)
+    fails the test. Whole-layer reads are exactly the ones that check a shard's checksum."""
+    from tiny_models import save_tiny
+
+    from contribution_weights.cli import main
+    from contribution_weights.tracing.storage import PackedMaps
+
+    whole: list[int] = []
+    real_check = PackedMaps.check
+
+    def check(self, pos):
+        whole.append(pos)
+        real_check(self, pos)
+
+    monkeypatch.setattr(PackedMaps, "check", check)
+    model = save_tiny("llama", tmp_path / "model")
+    text = "The river rose in the spring and the town moved to the hill above it. " * 2
+    out, report = tmp_path / "trace", tmp_path / "long.html"
+    argv = ["trace", "--text", text[:120], "--model", str(model), "--out", str(out)]
+    assert main([*argv, "--measures", "attention,contribution"]) == 0
+    assert main(["report", "--trace", str(out), "--out", str(report), "--view", "long"]) == 0
+    assert main(["verify", str(out)]) == 0
+    assert whole == []  # no whole layer was read, so no shard was hashed on reading
+    # the check itself fires on a whole-layer read
+    cw.Trace.load(out)["attention"][0]
+    assert whole == [0]
