@@ -116,6 +116,8 @@ def test_each_method_keeps_exactly_the_requested_entries_per_head(tiny: Any, rat
     pre = kv.prefill(tiny, _ids(T, seed=4), window=WINDOW)
     want = max(1, int(T * (1 - ratio)))
     for method in kv.method_names():
+        if kv.get_method(method).head_adaptive:
+            continue  # per-head counts differ by design: tests/test_kv_adakv.py
         small = kv.compress(pre, method, ratio)
         assert small.kept, method
         for layer, kept in small.kept.items():

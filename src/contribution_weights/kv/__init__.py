@@ -19,6 +19,7 @@ window=32)``); register one with :func:`register_method`, or pass the instance i
 Modules: :mod:`.methods` (the registry, pure maths on per-layer statistics),
 :mod:`.renormalised` (the exact change of a head's output when a key is evicted),
 :mod:`.scoring` (the prefill on the capture path), :mod:`.cache` (eviction and positions),
+:mod:`.heads` (the per-head mask of a cache whose heads keep different counts),
 :mod:`.evaluate` (the language-modelling and passkey tasks behind ``cw kv-eval``).
 """
 
@@ -28,6 +29,7 @@ from .methods import (
     METHODS,
     TOVA,
     VATP,
+    AdaKV,
     Contribution,
     CriticalKV,
     ExpectedAttention,
@@ -56,6 +58,7 @@ __all__ = [
     "METHODS",
     "TOVA",
     "VATP",
+    "AdaKV",
     "CompressedCache",
     "Contribution",
     "CriticalKV",

@@ -10,6 +10,14 @@ continue at position ``T`` (the prefill length), not at the cache length: pass
 :meth:`CompressedCache.position_ids` to the model, or use :meth:`CompressedCache.forward`
 and :meth:`CompressedCache.generate`, which do so. The attention mask is sized by
 transformers from the cache itself (its length is ``n_kept``), which is what we want.
+
+Head-adaptive methods (:class:`~.methods.AdaKV`) let the KV heads of a layer keep different
+counts. The cache then has ``S`` slots per head, the largest count over every compressed
+layer, head and batch row; a head that keeps fewer has zero-filled *padded slots* after
+its kept entries (``kept`` holds −1 there), and :meth:`CompressedCache.forward` and
+:meth:`CompressedCache.generate` run the model with an attention that gives those slots
+exactly zero weight (:mod:`.heads`). Call the model through them (not directly) on such a
+cache. Without padded slots (every equal-count method) nothing of this runs.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .heads import head_masked
 from .methods import Method, get_method
 from .scoring import Prefill
 
@@ -52,7 +61,10 @@ class CompressedCache:
     Attributes:
         cache: the transformers cache, ready to pass to the model (it grows as usual).
         length: the prefill length T: the position of the next token.
-        kept: per compressed layer, ``(B, G, n_kept)`` kept positions (ascending).
+        kept: per compressed layer, ``(B, G, S)`` kept positions (ascending), one per cache
+            slot; ``S = n_kept``, except after a head-adaptive method, where ``S`` is the
+            largest count of any head and a head that keeps fewer has −1 at its padded
+            slots (at the end). :attr:`counts` gives what each head really keeps.
         method, ratio: how it was compressed.
     """
 
@@ -72,7 +84,8 @@ class CompressedCache:
         seen = self.cache.get_seq_length(self._first_kept_layer())
         offset = seen - self._cached_after_prefill()
         pos = self.position_ids(input_ids.shape[1], offset).to(input_ids.device)
-        return model(input_ids=input_ids, cache=self.cache, position_ids=pos, **kwargs)
+        with head_masked(model, self.padded()):
+            return model(input_ids=input_ids, cache=self.cache, position_ids=pos, **kwargs)
 
     def generate(self, model: Any, input_ids: Tensor, **kwargs: Any) -> Tensor:
         """``model.generate`` on new tokens ``(B, n)`` after the prefill; returns the new tokens
@@ -80,7 +93,8 @@ class CompressedCache:
 
         transformers infers what is already cached from the cache length, so the call is
         given ``n_kept`` placeholder tokens in front (never run: they stand for the cached
-        entries) and explicit positions that continue at the prefill length.
+        entries, padded slots included) and explicit positions that continue at the prefill
+        length.
         """
         cached = self.cache.get_seq_length(self._first_kept_layer())
         b, n = input_ids.shape
@@ -90,14 +104,36 @@ class CompressedCache:
         positions = torch.cat(
             [torch.zeros(1, cached, dtype=torch.long), self.position_ids(n, offset)], dim=1
         ).expand(b, -1)
-        out = model.generate(
-            input_ids=full,
-            attention_mask=torch.ones_like(full),
-            position_ids=positions.to(input_ids.device),
-            cache=self.cache,
-            **kwargs,
-        )
+        with head_masked(model, self.padded()):
+            out = model.generate(
+                input_ids=full,
+                attention_mask=torch.ones_like(full),
+                position_ids=positions.to(input_ids.device),
+                cache=self.cache,
+                **kwargs,
+            )
         return out[:, cached:]
+
+    @property
+    def counts(self) -> dict[int, Tensor]:
+        """Per compressed layer, ``(B, G)``: the prefill entries each KV head really keeps
+        (padded slots not counted; ``n_kept`` everywhere for an equal-count method)."""
+        return {i: (k >= 0).sum(-1) for i, k in self.kept.items()}
+
+    @property
+    def entries_kept(self) -> int:
+        """Prefill entries kept, over the compressed layers, KV heads and batch rows."""
+        return int(sum(int((k >= 0).sum()) for k in self.kept.values()))
+
+    @property
+    def entries_stored(self) -> int:
+        """Prefill slots the compressed layers store, padded slots included (equal to
+        :attr:`entries_kept` unless the heads keep different counts)."""
+        return int(sum(k.numel() for k in self.kept.values()))
+
+    def padded(self) -> dict[int, Tensor]:
+        """Per compressed layer with padded slots, ``(B, G, S)``: True at those slots."""
+        return {i: k < 0 for i, k in self.kept.items() if bool((k < 0).any())}
 
     def _first_kept_layer(self) -> int:
         return min(self.kept) if self.kept else 0
@@ -105,7 +141,7 @@ class CompressedCache:
     def _cached_after_prefill(self) -> int:
         if not self.kept:
             return self.length
-        return int(next(iter(self.kept.values())).shape[-1])
+        return int(self.kept[self._first_kept_layer()].shape[-1])
 
 
 def kept_positions(scores: Tensor, ratio: float) -> Tensor:
@@ -118,7 +154,8 @@ def compress(prefill: Prefill, method: str | Method, ratio: float) -> Compressed
     """A copy of ``prefill.cache`` with ``ratio`` of each KV head's entries evicted by ``method``.
 
     Ratio 0 returns an untouched copy. The prefill's cache itself is never changed, so one
-    prefill serves every method and ratio.
+    prefill serves every method and ratio. A head-adaptive method keeps ``G · n_kept``
+    entries per layer with different counts per head (:func:`_gather_adaptive`).
     """
     ratio = check_ratio(ratio)
     spec = get_method(method)
@@ -128,6 +165,7 @@ def compress(prefill: Prefill, method: str | Method, ratio: float) -> Compressed
         raise ValueError(
             "this model has no layer whose cache can be compressed (all are sliding-window)"
         )
+    adaptive: dict[int, Tensor] = {}
     for idx, stats in prefill.stats.items():
         layer = cache.layers[idx]
         t = layer.keys.shape[-2]
@@ -135,6 +173,14 @@ def compress(prefill: Prefill, method: str | Method, ratio: float) -> Compressed
             result.kept[idx] = torch.arange(t, device=layer.keys.device).expand(
                 *layer.keys.shape[:2], t
             )
+            continue
+        if spec.head_adaptive:
+            adaptive[idx] = spec.kept_mask(stats, n_kept(t, ratio))
+            if adaptive[idx].shape != layer.keys.shape[:-1]:
+                raise RuntimeError(
+                    f"method {spec.name!r} kept a mask of shape {tuple(adaptive[idx].shape)} "
+                    f"at layer {idx}, expected {tuple(layer.keys.shape[:-1])}"
+                )
             continue
         scores = spec.score_for_budget(stats, n_kept(t, ratio))
         if scores.shape != layer.keys.shape[:-1]:
@@ -147,4 +193,26 @@ def compress(prefill: Prefill, method: str | Method, ratio: float) -> Compressed
         layer.keys = layer.keys.gather(2, index).contiguous()
         layer.values = layer.values.gather(2, index).contiguous()
         result.kept[idx] = keep
+    if adaptive:
+        _gather_adaptive(cache, adaptive, result)
     return result
+
+
+def _gather_adaptive(cache: Any, masks: dict[int, Tensor], result: CompressedCache) -> None:
+    """Gather each layer's kept entries ``masks[layer]`` ``(B, G, T)`` into ``S`` slots per
+    head, ``S`` the largest count anywhere (one for all layers: transformers sizes the mask
+    of every full-attention layer from the first one's cache). A head's kept entries come
+    first, in their original order; its padded slots after them hold zero keys and values
+    and −1 in ``result.kept``."""
+    slots = max(int(mask.sum(-1).max()) for mask in masks.values())
+    for idx, mask in masks.items():
+        layer = cache.layers[idx]
+        t = mask.shape[-1]
+        pos = torch.arange(t, device=mask.device).expand_as(mask)
+        order = torch.where(mask, pos, pos + t).sort(dim=-1).values[..., :slots]
+        real = order < t
+        index = (order % t)[..., None].expand(-1, -1, -1, layer.keys.shape[-1])
+        real_ = real[..., None]
+        layer.keys = layer.keys.gather(2, index).masked_fill(~real_, 0).contiguous()
+        layer.values = layer.values.gather(2, index).masked_fill(~real_, 0).contiguous()
+        result.kept[idx] = torch.where(real, order, -1)

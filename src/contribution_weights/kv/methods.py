@@ -50,6 +50,14 @@ pooling kernel 5, 4 sink tokens), so ``benchmarks/kvpress_crosscheck.py`` can co
   each KV group; the window's own keys are always kept, as for ``contribution``.
 * ``renormalised_sinks`` — the same, with the first 4 tokens always kept.
 * ``random`` — a seeded uniform draw.
+* ``adakv_snapkv``, ``adakv_contribution``, ``adakv_renormalised`` — Feng et al. 2024
+  (AdaKV, as kvpress's AdaKVPress) on ``snapkv``, ``contribution`` and ``renormalised``:
+  the layer's budget of ``G · n_kept`` entries is shared by its KV heads. Each head first
+  keeps its own best ``⌈alpha_safeguard · n_kept⌉`` (0.2 by default, rounded up); the rest
+  of the budget goes to the best of all heads' remaining entries compared by the base's
+  scores as they are, so heads keep different counts (at least the safeguard each, exactly
+  ``G · n_kept`` in all). The base's protected positions (its window, sinks) score above
+  every entry of the layer and stay kept. :class:`AdaKV` wraps any base method.
 
 Scores of GQA models are combined over the query heads of a KV group (sum or mean, which
 rank alike) because one cached key/value serves the whole group.
@@ -59,8 +67,10 @@ rank alike) because one cached key/value serves the whole group.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import ClassVar
 
 import torch
@@ -220,6 +230,9 @@ class Method:
     name: str
     description: str = ""
     needs: ClassVar[tuple[str, ...]] = ()
+    #: whether its KV heads keep different counts: :func:`~.compress` then keeps what
+    #: :meth:`kept_mask` says instead of each head's best ``kept`` by score
+    head_adaptive: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.description, str):
@@ -236,6 +249,11 @@ class Method:
         calls this). Most methods ignore the budget; those that split it (a recent window
         as a share of it, a first selection stage) override this."""
         return self.score(stats)
+
+    def kept_mask(self, stats: LayerStats, kept: int) -> Tensor:
+        """``(B, G, T)`` bool, what a head-adaptive method keeps for a budget of ``kept``
+        entries per KV head on average (``G · kept`` per layer and batch row)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps the same count in every head")
 
     @property
     def window_queries(self) -> int | None:
@@ -560,6 +578,73 @@ class CriticalKV(Method):
 
 
 @dataclass(frozen=True)
+class AdaKV(Method):
+    """Feng et al. 2024 (AdaKV), as kvpress's AdaKVPress: head-adaptive budgets within a
+    layer, on any base method's scores.
+
+    The layer keeps ``G · kept`` entries per batch row, shared by its G KV heads. Each head
+    first keeps its ``⌈alpha_safeguard · kept⌉`` best entries by the base's scores (the
+    safeguard, rounded up: 0.2 of 12 is 3); the rest of the layer's budget goes to the best
+    remaining entries of all heads together, compared by the base's scores as they are
+    (kvpress's choice: a head whose scores are larger takes more). Positions the base
+    protects (its window, sinks) score above every entry of the layer in every registered
+    method, so they stay kept whenever the per-head budget holds them. With
+    ``alpha_safeguard = 1`` every head keeps exactly its base's own set.
+    """
+
+    base: str | Method = "snapkv"
+    alpha_safeguard: float = 0.20
+    head_adaptive = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 <= self.alpha_safeguard <= 1:
+            raise ValueError(
+                f"method {self.name!r}: alpha_safeguard is a share of each head's budget in [0, 1]"
+            )
+
+    @property
+    def base_method(self) -> Method:
+        return get_method(self.base)
+
+    @property
+    def gathers(self) -> tuple[str, ...]:
+        return method_needs(self.base_method)
+
+    @property
+    def window_queries(self) -> int | None:
+        return self.base_method.window_queries
+
+    def safeguard(self, kept: int) -> int:
+        """Entries each head keeps at least: ``⌈alpha_safeguard · kept⌉`` (the share taken
+        as the decimal it was written, so 0.7 of 10 is 7), at most ``kept``."""
+        return min(kept, math.ceil(Fraction(str(self.alpha_safeguard)) * kept))
+
+    def score(self, stats: LayerStats) -> Scores:
+        """The base's scores (what the heads compete by)."""
+        return self.base_method.score(stats)
+
+    def score_for_budget(self, stats: LayerStats, kept: int) -> Scores:
+        return self.base_method.score_for_budget(stats, kept)
+
+    def kept_mask(self, stats: LayerStats, kept: int) -> Tensor:
+        scores = self.score_for_budget(stats, kept)
+        b, g, t = scores.shape
+        kept = min(kept, t)
+        safe = self.safeguard(kept)
+        keep = torch.zeros(b, g, t, dtype=torch.bool, device=scores.device)
+        if safe > 0:
+            keep.scatter_(-1, scores.topk(safe, dim=-1).indices, True)
+        rest = g * (kept - safe)
+        if rest > 0:
+            # a score of −∞ stays above every entry already kept (those become −∞ here)
+            finite = scores.double().clamp_min(torch.finfo(torch.float64).min)
+            free = finite.masked_fill(keep, float("-inf")).reshape(b, g * t)
+            keep.view(b, g * t).scatter_(-1, free.topk(rest, dim=-1).indices, True)
+        return keep
+
+
+@dataclass(frozen=True)
 class ExpectedAttention(Method):
     """kvpress's ExpectedAttentionPress (Devoto et al. 2025), from the window's queries.
 
@@ -653,5 +738,22 @@ for _m in (
         sinks=N_SINK,
     ),
     Random("random", "uniform random (seeded)"),
+    AdaKV(
+        "adakv_snapkv",
+        "AdaKV on snapkv: the layer's budget shared by its KV heads (joint top-k of snapkv's "
+        "scores), each head keeping at least 0.2 of its share",
+    ),
+    AdaKV(
+        "adakv_contribution",
+        "AdaKV on contribution: the layer's budget shared by its KV heads (joint top-k of "
+        "Σ |ĉ|), each head keeping at least 0.2 of its share",
+        base="contribution",
+    ),
+    AdaKV(
+        "adakv_renormalised",
+        "AdaKV on renormalised: the layer's budget shared by its KV heads (joint top-k of "
+        "Σ ‖Δo‖), each head keeping at least 0.2 of its share",
+        base="renormalised",
+    ),
 ):
     register_method(_m)
