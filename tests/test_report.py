@@ -375,3 +375,35 @@ def test_cli_report_traces_distance_only_when_named(tmp_path, monkeypatch):
     assert main(["report", "--text", TEXT, *named, "--out", str(out)]) == 0
     assert traced[-1].measures == ["attention", "distance"]
     assert read_report(out).meta["measure_order"] == ["attention", "distance"]
+
+
+@pytest.mark.parametrize("t", [50, 70_000])  # 2-byte and 4-byte source distances
+def test_long_view_chunks_round_trip_within_their_rounding(t):
+    from contribution_weights.presentation.long_report import (
+        LongChunk,
+        decode_long_chunk,
+        encode_long_chunk,
+        key_bins,
+    )
+
+    rng = np.random.default_rng(0)
+    heads, k, window = 2, 3, 4
+    queries = np.arange(t)[None, :, None]
+    keys = np.minimum(queries, rng.integers(0, t, size=(heads, t, k)))
+    keys[:, 0, 1:] = -1  # query 0 sees one key: empty slots
+    weights = rng.uniform(-1, 1, size=(heads, t, k))
+    weights[..., 0] = 1.0
+    chunk = LongChunk(
+        scores=rng.normal(size=(heads + 1, t)),
+        first=rng.normal(size=(heads + 1, t)),
+        window=rng.normal(size=(window, len(key_bins(t)))),
+        source_keys=keys,
+        source_weights=weights,
+    )
+    back = decode_long_chunk(encode_long_chunk(chunk, True), True, heads, t, window, k)
+    np.testing.assert_array_equal(back.source_keys, keys)
+    assert np.abs(back.source_weights - weights).max() <= 0.5 / 127 + 1e-12
+    for name in ("scores", "first", "window"):
+        want, got = getattr(chunk, name), getattr(back, name)
+        step = np.abs(want).max(-1, keepdims=True) / 127
+        assert (np.abs(got - want) <= step / 2 * (1 + 1e-6)).all(), name

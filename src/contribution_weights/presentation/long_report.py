@@ -23,11 +23,13 @@ first-token weights, per query for the window), as the full view does: the error
 most 1/510 (1/254 for signed values) of the row's largest magnitude.
 
 Layout of a decompressed chunk (little-endian): float32 scales of ``scores`` (H+1),
-``first`` (H+1) and ``window`` (W); then the source distances, uint16 (``T ≤ 65535``,
-65535 for an empty slot) or uint32 (0xFFFFFFFF) ``(H, T, k)``; then the codes, uint8 or
-int8 (signed measures): ``scores`` (H+1)·T, ``first`` (H+1)·T, ``window`` W·B, and the
-source weights ``(H, T, k)``, each the weight over the query's largest |weight| times 127
-(int8, whatever the measure's sign).
+``first`` (H+1) and ``window`` (W); then the codes, uint8 or int8 (signed measures):
+``scores`` (H+1)·T, ``first`` (H+1)·T, ``window`` W·B; then the source weights ``(k, H,
+T)`` (slot-major), each the weight over the query's largest |weight| times 127 (int8,
+whatever the measure's sign); then the source distances ``(k, H, T)``, 2 bytes each
+(``T ≤ 65535``, 65535 for an empty slot; else 4 bytes, 0xFFFFFFFF), stored byte plane by
+byte plane (all low bytes, then all high bytes): distances are small and alike from one
+query to the next, and split this way they compress about 15% better.
 """
 
 from __future__ import annotations
@@ -86,6 +88,12 @@ class LongChunk:
     source_weights: np.ndarray  # (H, T, k), relative to the query's largest |w|
 
 
+def _planes(x: np.ndarray) -> bytes:
+    """The bytes of ``x`` byte plane by byte plane (little-endian: low bytes first)."""
+    raw = np.ascontiguousarray(x).view(np.uint8).reshape(-1, x.dtype.itemsize)
+    return np.ascontiguousarray(raw.T).tobytes()
+
+
 def encode_long_chunk(chunk: LongChunk, signed: bool) -> bytes:
     t = chunk.scores.shape[-1]
     s_scale, s_codes = quantise_rows(chunk.scores, signed)
@@ -95,18 +103,19 @@ def encode_long_chunk(chunk: LongChunk, signed: bool) -> bytes:
     empty = 0xFFFFFFFF if wide else 0xFFFF
     queries = np.arange(t)[None, :, None]
     dist = np.where(chunk.source_keys < 0, empty, queries - chunk.source_keys)
+    dist = dist.transpose(2, 0, 1).astype("<u4" if wide else "<u2")  # (k, H, T)
     rel = np.clip(np.rint(chunk.source_weights * 127), -127, 127).astype(np.int8)
     parts = [
-        s_scale.astype("<f4"),
-        f_scale.astype("<f4"),
-        w_scale.astype("<f4"),
-        dist.astype("<u4" if wide else "<u2"),
-        s_codes,
-        f_codes,
-        w_codes,
-        rel,
+        s_scale.astype("<f4").tobytes(),
+        f_scale.astype("<f4").tobytes(),
+        w_scale.astype("<f4").tobytes(),
+        s_codes.tobytes(),
+        f_codes.tobytes(),
+        w_codes.tobytes(),
+        np.ascontiguousarray(rel.transpose(2, 0, 1)).tobytes(),
+        _planes(dist),
     ]
-    return zlib.compress(b"".join(np.ascontiguousarray(p).tobytes() for p in parts), 6)
+    return zlib.compress(b"".join(parts), 6)
 
 
 def decode_long_chunk(
@@ -124,13 +133,16 @@ def decode_long_chunk(
         return out
 
     s_scale, f_scale, w_scale = take("<f4", kk), take("<f4", kk), take("<f4", window)
-    wide = t > 65535
-    dist = take("<u4" if wide else "<u2", heads * t * k).astype(np.int64).reshape(heads, t, k)
     code = "i1" if signed else "u1"
     scores = take(code, kk * t).reshape(kk, t) * s_scale.astype(np.float64)[:, None]
     first = take(code, kk * t).reshape(kk, t) * f_scale.astype(np.float64)[:, None]
     win = take(code, window * b).reshape(window, b) * w_scale.astype(np.float64)[:, None]
-    rel = take("i1", heads * t * k).reshape(heads, t, k) / 127.0
+    rel = take("i1", k * heads * t).reshape(k, heads, t).transpose(1, 2, 0) / 127.0
+    wide = t > 65535
+    size = 4 if wide else 2
+    planes = take("u1", size * k * heads * t).reshape(size, -1)
+    dist = sum(planes[p].astype(np.int64) << (8 * p) for p in range(size))
+    dist = np.asarray(dist).reshape(k, heads, t).transpose(1, 2, 0)
     empty = 0xFFFFFFFF if wide else 0xFFFF
     keys = np.where(dist == empty, -1, np.arange(t)[None, :, None] - dist)
     return LongChunk(scores, first, win, keys, rel)

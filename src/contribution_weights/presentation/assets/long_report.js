@@ -30,25 +30,32 @@
 
   // ---- data -------------------------------------------------------------------------
   function decode(buf, signed) {
-    const wide = T > 65535;
+    const size = T > 65535 ? 4 : 2;
     let off = 0;
     const f32 = (n) => { const a = new Float32Array(buf, off, n); off += 4 * n; return a; };
     const sScale = f32(K), fScale = f32(K), wScale = f32(W);
-    const dist = wide ? new Uint32Array(buf, off, H * T * KS) : new Uint16Array(buf, off, H * T * KS);
-    off += dist.byteLength;
     const Codes = signed ? Int8Array : Uint8Array;
     const codes = (n) => { const a = new Codes(buf, off, n); off += n; return a; };
     const scores = codes(K * T), first = codes(K * T), win = codes(W * B);
-    const rel = new Int8Array(buf, off, H * T * KS);
-    const empty = wide ? 0xffffffff : 0xffff;
+    const n = KS * H * T;
+    const rel = new Int8Array(buf, off, n);
+    off += n;
+    const planes = new Uint8Array(buf, off, size * n); // byte plane by byte plane
+    const empty = size === 4 ? 0xffffffff : 0xffff;
+    const distance = (x) => {
+      let d = 0;
+      for (let p = size - 1; p >= 0; p--) d = d * 256 + planes[p * n + x];
+      return d;
+    };
     return {
       score: (b, j) => scores[b * T + j] * sScale[b],
       first: (b, i) => first[b * T + i] * fScale[b],
       win: (r, c) => win[r * B + c] * wScale[r],
       // [key, weight relative to the query's largest |w| in that head] or null
       source: (h, i, s) => {
-        const d = dist[(h * T + i) * KS + s];
-        return d === empty ? null : [i - d, rel[(h * T + i) * KS + s] / 127];
+        const x = (s * H + h) * T + i; // slot-major
+        const d = distance(x);
+        return d === empty ? null : [i - d, rel[x] / 127];
       },
     };
   }
