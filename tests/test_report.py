@@ -283,7 +283,9 @@ def test_report_reads_maps_per_layer_and_head(tiny_trace, monkeypatch):
 def test_page_says_only_its_values_are_rounded(tiny_trace):
     page, _ = build_report(tiny_trace, progress=False)
     meta = read_report(page).meta
-    assert "model ran unquantised" in meta["rounding"]
+    # not "the model ran unquantised": the embedded models are dequantised 4-bit GGUFs
+    assert "trace itself is not rounded" in meta["rounding"]
+    assert "unquantised" not in meta["rounding"]
     js = Path(cw.__file__).parent / "presentation" / "assets" / "report.js"
     text = js.read_text("utf-8")
     assert "8-bit weights" not in text and "the trace itself is not rounded" in text

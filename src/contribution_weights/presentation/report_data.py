@@ -44,8 +44,9 @@ def rounding_note(precision: str, signed_measures: list[str]) -> str:
     if precision == "uint8":
         signed = ", ".join(signed_measures) or "none"
         return (
-            "Only the values embedded in this page are rounded; the model ran unquantised "
-            "and the trace itself is not rounded. They are stored with 8 bits per value: "
+            "The page rounds only the values it embeds; the trace itself is not rounded "
+            "(the model ran with its weights as loaded). They are stored with 8 bits per "
+            "value: "
             "in every row (one query, one layer, "
             "one head or the head sum) each value is rounded to the nearest multiple of "
             "max|row|/255 (max|row|/127 for measures with negative values: "
@@ -55,8 +56,9 @@ def rounding_note(precision: str, signed_measures: list[str]) -> str:
         )
     if precision == "float16":
         return (
-            "Only the values embedded in this page are rounded; the model ran unquantised "
-            "and the trace itself is not rounded. They are stored as IEEE float16 (about 3 "
+            "The page rounds only the values it embeds; the trace itself is not rounded "
+            "(the model ran with its weights as loaded). They are stored as IEEE float16 "
+            "(about 3 "
             "significant digits: relative error "
             "at most 2^-11 ≈ 0.05%; absolute error at most 3e-8 for |w| < 6.1e-5). Sums over "
             "heads and means over layers were computed from the exact float32 trace, then "
