@@ -31,7 +31,13 @@ SCOPES = ("layer", "global")
 SINK_COSINE = 0.95
 
 #: KV-cache evaluation (``experiments.kv_eval``): its tasks and compression ratios
-KV_TASKS = ("lm", "passkey")
+KV_TASKS = ("lm", "passkey", "ruler")
+#: kv-eval's long-context tasks in the manner of RULER (``kv.ruler``), and the two settings:
+#: the question fed after compression, or prefilled with the context (in the window)
+RULER_TASKS = (
+    "niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe",
+)  # fmt: skip
+RULER_SETTINGS = ("query_agnostic", "query_aware")
 KV_RATIOS = (0.0, 0.25, 0.5, 0.75, 0.9)
 #: the observation window of a KV prefill: its last queries (``kv.methods.WINDOW``)
 KV_WINDOW = 64

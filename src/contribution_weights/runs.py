@@ -66,9 +66,10 @@ def renamed_keyword(experiment: str, old: str, old_value: T | None, value: T) ->
 
 #: options added since older run folders were written, with the value those runs used:
 #: experiment -> {key: value}
-ADDED = {
+ADDED: dict[str, dict[str, Any]] = {
     "faithfulness": {"intervention": "value_zero", "baselines": [], "random_seeds": 3},
     "downstream": {"intervention": "value_zero", "baselines": [], "random_seeds": 3},
+    "kv-eval": {"ruler_tasks": "all", "settings": ["query_agnostic"]},
 }
 
 

@@ -26,6 +26,8 @@ from .common import (
 )
 from .options import add_options, options_from_args
 
+#: the most texts a generated task's haystack reads (the data set may be a hub stream)
+HAYSTACK_TEXTS = 1000
 #: how to give a corpus experiment more than one text (the hint after a warning)
 MORE_TEXTS = (
     "--dataset with --n 2 or more, or a --texts/--file holding 2 or more texts; a .txt "
@@ -115,11 +117,20 @@ class TaskItems:
 class TextsOrTask:
     """Texts (--dataset | --texts) for the task that reads them, or none for a task whose
     items are generated (--task): kv-eval's lm and passkey, attribution-eval's deletion
-    and known-answer tasks."""
+    and known-answer tasks. A generated task in ``haystack`` reads that data set from
+    --data-dir (kv-eval's ruler: FineWeb-Edu, the haystack of its needles)."""
 
-    def __init__(self, tasks: tuple[str, ...], text_task: str, what: str, more: str) -> None:
+    def __init__(
+        self,
+        tasks: tuple[str, ...],
+        text_task: str,
+        what: str,
+        more: str,
+        haystack: dict[str, str] | None = None,
+    ) -> None:
         self.tasks, self.text_task, self.what = tasks, text_task, what
-        generated = ", ".join(t for t in tasks if t != text_task)
+        self.haystack = haystack or {}
+        generated = ", ".join(t for t in tasks if t != text_task and t not in self.haystack)
         self.own = f"--texts FILE.jsonl (or --task {generated}, which needs no data)"
         self.more = more
 
@@ -131,11 +142,11 @@ class TextsOrTask:
         src.add_argument(
             "--texts", type=Path, help=f"a .jsonl file of texts (field: --field) for {self.what}"
         )
-        src.add_argument(
-            "--task",
-            choices=self.tasks,
-            help=f"{' or '.join(self.tasks)} (all but {self.text_task} need no data)",
-        )
+        needs = f"all but {self.text_task} need no data"
+        if self.haystack:
+            reads = "; ".join(f"{t} reads {d} from --data-dir" for t, d in self.haystack.items())
+            needs = f"{self.text_task} reads --dataset or --texts; {reads}; the others need none"
+        src.add_argument("--task", choices=self.tasks, help=f"{' or '.join(self.tasks)} ({needs})")
         p.add_argument(
             "--field", default="text", help="JSONL field holding the text (default text)"
         )
@@ -147,6 +158,9 @@ class TextsOrTask:
         from .. import data
 
         task = args.task or self.text_task
+        if task in self.haystack:
+            name = self.haystack[task]
+            return data.load_texts(name, HAYSTACK_TEXTS, args.data_dir), f"{task}:{name}", {}
         if task != self.text_task:
             return None, task, {}
         if args.dataset:
@@ -187,6 +201,7 @@ INPUTS: dict[str, Any] = {
         "language modelling",
         "--n 2 or more; the lm task makes an item of every --context-tokens + 129 tokens of "
         "consecutive texts, so give texts enough for 2",
+        haystack={"ruler": "fineweb-edu"},
     ),
     "attribution": TextsOrTask(ATTRIBUTION_TASKS, "deletion", "the deletion task", "--n 2 or more"),
     "none": NoInputs(),

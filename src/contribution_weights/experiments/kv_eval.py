@@ -1,4 +1,5 @@
-"""``cw kv-eval``: KV-cache compression methods against ratio, on LM and passkey tasks.
+"""``cw kv-eval``: KV-cache compression methods against ratio, on LM, passkey and RULER-like
+long-context tasks.
 
 Per item, one scored prefill (:func:`~contribution_weights.kv.prefill`) serves every
 method and ratio; each (method, ratio) is a copy of the cache compressed and evaluated by
@@ -8,6 +9,12 @@ runner (:mod:`.runner`): its rows are appended to ``per_item.csv`` as it finishe
 interrupted run resumes where it stopped, ``run_info.json`` (versions, ``finished``,
 ``seconds`` added up over resumed sessions) is written when a session ends, and under
 ``accelerate launch`` the items are dealt over the processes.
+
+The ``ruler`` task (:mod:`contribution_weights.kv.ruler`) makes ``n`` items of each of
+``ruler_tasks``; an item is prefilled once per setting (``query_agnostic``: the context;
+``query_aware``: the context and the question) and yields a row per (setting, method,
+ratio), its ``task`` the RULER-like task's name. Its summary adds, to every row, the
+accuracy of the same task and setting uncompressed (``uncompressed_accuracy``).
 """
 
 from __future__ import annotations
@@ -21,9 +28,10 @@ from typing import Any
 import pandas as pd
 import torch
 
-from ..defaults import KV_RATIOS, KV_TASKS  # light: the CLI shows them before torch
+from ..defaults import KV_RATIOS, KV_TASKS, RULER_TASKS  # light: the CLI shows them first
 from ..kv import compress, prefill
 from ..kv.evaluate import lm_item, lm_items, lm_score, passkey_items, passkey_score
+from ..kv.ruler import RulerItem, ruler_items, ruler_score
 from ..loading import LoadedModel
 from ..runs import fingerprint
 from .options import KVEvalOptions
@@ -32,12 +40,14 @@ from .result import RowsResult, warn_few_samples, write_csv
 from .runner import Experiment, Phase, run_experiment
 
 TASKS = KV_TASKS
-METRIC = {"lm": "nll", "passkey": "accuracy"}
+METRIC = {"lm": "nll", "passkey": "accuracy", "ruler": "accuracy"}
 DEFAULT_RATIOS = KV_RATIOS
 PER_ITEM = "per_item.csv"
 SUMMARY_DEPTH = "summary_depth.csv"
 SUMMARY_PAIRED = "summary_paired.csv"
 NO_COMPRESSION = "none"
+#: a RULER-like task whose uncompressed accuracy is below this is one the model cannot do
+CANNOT_DO = 0.1
 
 
 class KVEvalResult(RowsResult):
@@ -51,6 +61,8 @@ class KVEvalResult(RowsResult):
         return self.rows
 
     def summarise_rows(self) -> pd.DataFrame:
+        if self.config["task"] == "ruler":
+            return ruler_summary(self.rows)
         return summarise(self.rows, self.config["task"])
 
     @classmethod
@@ -58,7 +70,10 @@ class KVEvalResult(RowsResult):
         return _typed(pd.DataFrame(list(rows)))
 
     def by_depth(self) -> pd.DataFrame:
-        """Passkey accuracy per (method, ratio, depth)."""
+        """Passkey accuracy per (method, ratio, depth); ruler: per (task, setting, method,
+        ratio, depth of the asked needle), the needle tasks only."""
+        if self.config["task"] == "ruler":
+            return ruler_summary(self.per_item.dropna(subset=["depth"]), by=("depth",))
         return summarise(self.per_item, self.config["task"], by=("depth",))
 
     def paired(self) -> pd.DataFrame:
@@ -73,7 +88,7 @@ class KVEvalResult(RowsResult):
         the runner's hook at the end of a run."""
         super().write_summary(folder)
         write_csv(Path(folder) / SUMMARY_PAIRED, self.paired())
-        if self.config["task"] == "passkey":
+        if self.config["task"] in ("passkey", "ruler"):
             write_csv(Path(folder) / SUMMARY_DEPTH, self.by_depth())
 
     @classmethod
@@ -104,24 +119,63 @@ def summarise(per_item: pd.DataFrame, task: str, by: Sequence[str] = ()) -> pd.D
 
 def paired_summary(per_item: pd.DataFrame, task: str) -> pd.DataFrame:
     """Per (method, ratio): mean and s.e. over items of the metric minus the same item's
-    uncompressed metric (items without an uncompressed row are left out)."""
+    uncompressed metric (items without an uncompressed row are left out). Ruler: per
+    (task, setting, method, ratio), each item against its own uncompressed row in the
+    same setting."""
     metric = METRIC[task]
-    cols = ["method", "task", "ratio", "n", "delta_mean", "delta_se"]
+    ruler = task == "ruler"
+    cols = ["method", "task", *(["setting"] if ruler else []), "ratio", "n", "delta_mean",
+            "delta_se"]  # fmt: skip
     if per_item.empty or NO_COMPRESSION not in set(per_item["method"]):
         return pd.DataFrame(columns=cols)
-    base = per_item[per_item["method"] == NO_COMPRESSION].set_index("item")[metric]
-    delta = per_item[metric].astype(float) - per_item["item"].map(base).astype(float)
-    frame = per_item.assign(delta=delta).dropna(subset=["delta"])
-    g = frame.groupby(["method", "ratio"], sort=False)["delta"]
+    keys = ["item", "setting"] if ruler else ["item"]
+    base = per_item[per_item["method"] == NO_COMPRESSION].set_index(keys)[metric]
+    index = pd.MultiIndex.from_frame(per_item[keys]) if ruler else per_item["item"]
+    own = base.reindex(index).to_numpy(dtype=float)
+    frame = per_item.assign(delta=per_item[metric].astype(float) - own).dropna(subset=["delta"])
+    groups = ["task", "setting", "method", "ratio"] if ruler else ["method", "ratio"]
+    g = frame.groupby(groups, sort=False)["delta"]
     out = g.agg(n="size", delta_mean="mean", delta_se="sem").reset_index()
     out["delta_se"] = out["delta_se"].fillna(0.0)
+    if ruler:
+        return _ruler_order(out)[cols]
     out["task"] = task
     return out.sort_values(["ratio", "method"], kind="stable")[cols].reset_index(drop=True)
+
+
+def ruler_summary(per_item: pd.DataFrame, by: Sequence[str] = ()) -> pd.DataFrame:
+    """Mean and standard error of the accuracy per (task, setting, method, ratio[, by…]),
+    and on every row the accuracy of the same task and setting (and ``by``) uncompressed:
+    a task the model cannot do uncompressed reads as such beside every method."""
+    keys = ["task", "setting", *by]
+    cols = ["method", "task", "setting", "ratio", *by, "n", "accuracy_mean", "accuracy_se",
+            "uncompressed_accuracy"]  # fmt: skip
+    if per_item.empty:
+        return pd.DataFrame(columns=cols)
+    g = per_item.groupby([*keys, "method", "ratio"], sort=False)["accuracy"]
+    out = g.agg(n="size", accuracy_mean="mean", accuracy_se="sem").reset_index()
+    base = out[out["method"] == NO_COMPRESSION].set_index(keys)["accuracy_mean"]
+    index = pd.MultiIndex.from_frame(out[keys])
+    out["uncompressed_accuracy"] = base.reindex(index).to_numpy(dtype=float)
+    return _ruler_order(out, by)[cols]
+
+
+def _ruler_order(frame: pd.DataFrame, by: Sequence[str] = ()) -> pd.DataFrame:
+    """Rows in RULER_TASKS' order, then setting, ratio, method (and ``by``)."""
+    rank = {t: k for k, t in enumerate(RULER_TASKS)}
+    frame = frame.assign(_rank=frame["task"].map(rank))
+    order = ["_rank", "setting", "ratio", "method", *by]
+    return frame.sort_values(order, kind="stable").drop(columns="_rank").reset_index(drop=True)
 
 
 def _items(model: LoadedModel, opts: KVEvalOptions, texts: Sequence[str] | None) -> Iterator[Any]:
     if opts.task == "passkey":
         yield from passkey_items(model, opts.context_tokens, opts.n, opts.seed)
+    elif opts.task == "ruler":
+        assert isinstance(opts.ruler_tasks, list)
+        yield from ruler_items(
+            model, opts.ruler_tasks, opts.context_tokens, opts.n, opts.seed, texts
+        )
     else:
         assert texts is not None
         for ids in lm_items(model, texts, opts.context_tokens, opts.n):
@@ -135,7 +189,10 @@ def first_token_kept(kept: dict[int, torch.Tensor]) -> float:
 
 
 def item_rows(model: LoadedModel, item: Any, opts: KVEvalOptions) -> list[dict[str, Any]]:
-    """One row per (method, ratio) configuration of one item."""
+    """One row per (method, ratio) configuration of one item (ruler: per (setting, method,
+    ratio))."""
+    if opts.task == "ruler":
+        return ruler_rows(model, item, opts)
     context = item.context if opts.task == "passkey" else item[0]
     started = time.perf_counter()
     pre = prefill(model, context, opts.window, seed=opts.seed, methods=opts.methods)
@@ -159,6 +216,35 @@ def item_rows(model: LoadedModel, item: Any, opts: KVEvalOptions) -> list[dict[s
                 "prefill_s": round(prefill_s, 3),
             }
         )
+    return rows
+
+
+def ruler_rows(model: LoadedModel, item: RulerItem, opts: KVEvalOptions) -> list[dict[str, Any]]:
+    """Per setting one prefill (the context, or the context and the question), then per
+    (method, ratio) a compressed copy, greedy generation and RULER's score."""
+    rows = []
+    for setting in opts.settings:
+        ids = item.prefill_ids(setting)
+        started = time.perf_counter()
+        pre = prefill(model, ids, opts.window, seed=opts.seed, methods=opts.methods)
+        prefill_s = time.perf_counter() - started
+        for method, ratio in opts.configurations():
+            small = compress(pre, "h2o" if method == NO_COMPRESSION else method, ratio)
+            scores = ruler_score(model, small, item, setting)
+            rows.append(
+                {
+                    "setting": setting,
+                    "method": method,
+                    "ratio": ratio,
+                    "depth": item.meta.get("depth", float("nan")),
+                    "accuracy": scores["accuracy"],
+                    "answers": "|".join(item.answers),
+                    "output": scores["output"].replace("\n", "\\n"),  # one CSV line
+                    "first_token_kept": first_token_kept(small.kept),
+                    "prefill_tokens": int(ids.shape[1]),
+                    "prefill_s": round(prefill_s, 3),
+                }
+            )
     return rows
 
 
@@ -195,12 +281,15 @@ class KVEval(Experiment["KVEvalResult"]):
             run=self._item,
             rows_file=PER_ITEM,
             key="item",
-            rows_per_unit=len(self.opts.configurations()),
+            rows_per_unit=len(self.opts.configurations())
+            * (len(self.opts.settings) if self.opts.task == "ruler" else 1),
         )
 
     def _item(self, i: int) -> list[dict[str, Any]]:
-        rows = item_rows(self.model, self.items[i], self.opts)
-        return [{"item": i, "task": self.opts.task, **r} for r in rows]
+        item = self.items[i]
+        rows = item_rows(self.model, item, self.opts)
+        task = item.task if isinstance(item, RulerItem) else self.opts.task
+        return [{"item": i, "task": task, **r} for r in rows]
 
     def result(
         self, rows: Mapping[str, list[dict[str, str]]], run_info: dict[str, Any]
@@ -227,13 +316,30 @@ def _typed(frame: pd.DataFrame) -> pd.DataFrame:
 
 def shortfall(result: KVEvalResult) -> list[str]:
     """A line saying the texts ran out, when a language-modelling run got fewer items than
-    asked for (each item needs ``context_tokens + 129`` tokens of consecutive texts)."""
+    asked for (each item needs ``context_tokens + 129`` tokens of consecutive texts); for
+    ruler, a line per (task, setting) the model cannot do uncompressed (accuracy below
+    :data:`CANNOT_DO`), whose compressed scores say nothing about the methods."""
     c = result.config
+    if c["task"] == "ruler":
+        return cannot_do(result.summary, int(c["context_tokens"]))
     done = int(result.summary["n"].max()) if not result.summary.empty else 0
     if c["task"] != "lm" or done >= int(c["n"]):
         return []
     need = int(c["context_tokens"]) + 129
     return [f"only {done} of {c['n']} items: the texts ran out (each needs {need} tokens)"]
+
+
+def cannot_do(summary: pd.DataFrame, context_tokens: int) -> list[str]:
+    """Lines naming the (task, setting) pairs whose uncompressed accuracy is below
+    :data:`CANNOT_DO` in a ruler summary."""
+    base = summary[summary["method"] == NO_COMPRESSION]
+    return [
+        f"{r.task} ({r.setting}): uncompressed accuracy {r.accuracy_mean:.2f} at "
+        f"{context_tokens} tokens: the model cannot do this task, so its compressed scores "
+        "do not compare the methods"
+        for r in base.itertuples()
+        if r.accuracy_mean < CANNOT_DO
+    ]
 
 
 def kv_eval(
@@ -249,14 +355,20 @@ def kv_eval(
     """Evaluate KV-cache compression methods (see the module docstring and ``cw kv-eval``).
 
     ``texts`` (for the ``lm`` task) are running texts; consecutive ones are joined until
-    an item has ``context_tokens + 129`` tokens. The ``passkey`` task needs no texts.
+    an item has ``context_tokens + 129`` tokens. The ``passkey`` task needs no texts; the
+    ``ruler`` task's needle tasks take their haystack from them (FineWeb-Edu).
     Resumable in ``out`` and data parallel under ``accelerate launch``, like every
     experiment of the runner.
     """
     opts = options or KVEvalOptions()
     if opts.task == "lm" and not texts:
         raise ValueError("the lm task needs texts: pass --dataset or --texts")
+    if opts.task == "ruler" and not texts and set(opts.ruler_tasks) - {"cwe", "fwe"}:
+        raise ValueError(
+            "the ruler tasks take their haystack from texts: pass FineWeb-Edu texts "
+            "(cw.data.load_texts('fineweb-edu'); the CLI reads them from --data-dir)"
+        )
     experiment = KVEval(model, texts, opts, source)
-    se = "accuracy_se" if opts.task == "passkey" else "nll_se, delta_se"
+    se = "nll_se, delta_se" if opts.task == "lm" else "accuracy_se"
     warn_few_samples(len(experiment.items), "item", se)
     return run_experiment(experiment, out, resume=resume, progress=progress)

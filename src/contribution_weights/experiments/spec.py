@@ -30,7 +30,8 @@ from .options import (
 
 #: what an experiment reads: ``corpus``, texts (--dataset | --texts | --file);
 #: ``task_items``, the items of a multiple-choice task (--task, --data-dir | --items);
-#: ``kv``, texts for language modelling or none for passkey (--dataset | --texts | --task);
+#: ``kv``, texts for language modelling, none for passkey, FineWeb-Edu from --data-dir for
+#: ruler (--dataset | --texts | --task);
 #: ``attribution``, texts for deletion or none for the generated tasks (--dataset | --texts |
 #: --task);
 #: ``none``, nothing
@@ -64,7 +65,7 @@ class ExperimentSpec:
     run: str | Callable[..., Any]
     inputs: str = "corpus"
     batch_size: bool = False
-    figure: str | Callable[[Any], str] | None = None
+    figure: str | Callable[[Any], str | None] | None = None
     digits: int = 4
     notes: str | Callable[[Any], list[str]] | None = None
 
@@ -128,12 +129,14 @@ register_experiment(
     ExperimentSpec(
         "kv-eval",
         "compress the KV cache after a prefill by each method and ratio; NLL of the next "
-        "128 tokens (lm) or passkey accuracy",
+        "128 tokens (lm), passkey accuracy, or RULER-like long-context accuracy (ruler)",
         KVEvalOptions,
         "contribution_weights.experiments.kv_eval:kv_eval",
         inputs="kv",
-        figure=lambda result: (
-            f"kv-{'accuracy' if result.config['task'] == 'passkey' else 'nll'}.png"
+        figure=lambda result: (  # ruler: no figure yet (a panel per task would be needed)
+            None
+            if result.config["task"] == "ruler"
+            else f"kv-{'accuracy' if result.config['task'] == 'passkey' else 'nll'}.png"
         ),
         notes="contribution_weights.experiments.kv_eval:shortfall",
     )
