@@ -9,8 +9,9 @@ per measure and embedded layer, one compressed *chunk* of:
   per head and summed over heads;
 * ``first`` ``(H + 1, T)``: each query's weight on token 0 after the measure's
   normalisation (per head, and summed over heads: the query's first-token weight);
-* ``sources`` ``(H, T, k)``: each query's ``k`` keys of largest |w| per head, as
-  distances back from the query, with their weights relative to the largest;
+* ``sources`` ``(H, T, k)``: each query's ``k`` keys of largest |w| per head (3, or 2
+  beyond :data:`FEWER_SOURCES_TOKENS` tokens), as distances back from the query, with
+  their weights relative to the largest;
 * ``window`` ``(W, B)``: the rows of a window of ``W`` queries (default the last
   :data:`DEFAULT_WINDOW`), summed over heads, over every key, keys summed in ``B`` equal
   bins (``B = min(T, KEY_BINS)``; exact when ``T ≤ KEY_BINS``).
@@ -55,6 +56,17 @@ LONG_VIEW_TOKENS = 1024
 DEFAULT_WINDOW = 128
 KEY_BINS = 1024
 SOURCES_K = 3
+#: from this many tokens 2 sources per head and query, not 3: the sources are most of the
+#: page (an 8,192-token SmolLM2 page of attention and contribution, all 30 layers: 29.5 MiB
+#: with 3, 19.5 MiB with 2)
+FEWER_SOURCES_TOKENS = 4096
+
+
+def sources_k(num_tokens: int) -> int:
+    """Top sources embedded per head and query."""
+    return SOURCES_K if num_tokens <= FEWER_SOURCES_TOKENS else SOURCES_K - 1
+
+
 LONG_MAX_BYTES = 20 * 2**20
 _CHUNK_TAG = '<script type="application/x-cw-chunk" id="{id}">{data}</script>\n'
 
@@ -258,6 +270,10 @@ class LongEncoder:
             for m, name in enumerate(self.names):
                 chunk = layer_chunk(self.trace, name, pos, self.window, self.k)
                 out[f"cw-l{m}-{layer}"] = b64(encode_long_chunk(chunk, self.signed[name]))
+            if self.trace.maps is not None:
+                # drop the shards' memory maps: the window's pages of every layer would
+                # otherwise stay mapped (about 40 MB a layer of SmolLM2 at 8,192 tokens)
+                self.trace.maps.close()
             self._chunks[layer] = out
             self.bar.update()
         return self._chunks[layer]

@@ -474,16 +474,17 @@ def _build_long(
         DEFAULT_WINDOW,
         KEY_BINS,
         LONG_MAX_BYTES,
-        SOURCES_K,
         LongEncoder,
         render_long,
         resolve_window,
+        sources_k,
     )
 
     limit = LONG_MAX_BYTES if max_bytes == DEFAULT_MAX_BYTES else max_bytes
     span = resolve_window(trace, window)
     kept = trace.kept_reductions(names[0]).top_keys  # without maps, no more than these
-    k = SOURCES_K if trace.has_maps else min(SOURCES_K, 0 if kept is None else kept.shape[-1])
+    k = sources_k(trace.num_tokens)
+    k = k if trace.has_maps else min(k, 0 if kept is None else kept.shape[-1])
     signed = {}
     for name in names:
         r = trace.kept_reductions(name)
