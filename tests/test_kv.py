@@ -17,6 +17,7 @@ import pandas as pd
 import pytest
 import torch
 from reference import eager_run, reference_layer
+from reference_kv import evicted_entries, reference_attention, reference_logits
 from tiny_models import tiny_model
 from torch import Tensor, nn
 
@@ -26,8 +27,6 @@ from contribution_weights.presentation.figures import plot
 
 FAMILIES = ["llama", "qwen2", "gemma3_text", "gpt2", "phi3"]  # qwen2/llama/gemma3: GQA
 T, N, WINDOW = 24, 6, 8
-REFERENCE = "kv_reference_test"
-_drop: dict[int, Tensor] = {}  # layer -> (B, G, T) bool evicted, read by _reference_attention
 
 
 def _ids(length: int, seed: int) -> Tensor:
@@ -37,59 +36,6 @@ def _ids(length: int, seed: int) -> Tensor:
 @pytest.fixture(scope="module", params=FAMILIES)
 def tiny(request: Any) -> Any:
     return tiny_model(request.param, dtype=torch.float64)
-
-
-def _reference_attention(
-    module: nn.Module,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attention_mask: Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    softcap: float | None = None,
-    **_: Any,
-) -> tuple[Tensor, None]:
-    rep = query.shape[1] // key.shape[1]
-    k = key.repeat_interleave(rep, dim=1)
-    v = value.repeat_interleave(rep, dim=1)
-    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    scores = query @ k.transpose(2, 3) * scale
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    if attention_mask is not None:
-        mask = attention_mask[:, :, :, : k.shape[2]]
-        if mask.dtype == torch.bool:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        else:
-            scores = scores + mask
-    drop = _drop.get(int(module.layer_idx))  # type: ignore[arg-type]
-    if drop is not None:  # every query here is a continuation query
-        hidden = torch.zeros_like(scores, dtype=torch.bool)
-        hidden[..., :T] = drop.repeat_interleave(rep, dim=1)[:, :, None, :]
-        scores = scores.masked_fill(hidden, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return (probs @ v).transpose(1, 2).contiguous(), None
-
-
-def _reference_logits(
-    model: nn.Module, cache: Any, new_ids: Tensor, drop: dict[int, Tensor]
-) -> Tensor:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, eager_mask
-
-    AttentionInterface.register(REFERENCE, _reference_attention)
-    AttentionMaskInterface.register(REFERENCE, eager_mask)
-    previous = model.config._attn_implementation
-    _drop.clear()
-    _drop.update(drop)
-    try:
-        model.set_attn_implementation(REFERENCE)
-        with torch.no_grad():
-            return model(input_ids=new_ids, cache=copy.deepcopy(cache)).logits
-    finally:
-        _drop.clear()
-        model.set_attn_implementation(previous)
 
 
 @pytest.mark.parametrize("method", ["contribution_sinks", "snapkv", "tova", "random", "knorm"])
@@ -104,10 +50,10 @@ def test_continuation_matches_attention_over_kept_entries(tiny: Any, method: str
         evicted = torch.ones(*kept.shape[:2], T, dtype=torch.bool)
         evicted.scatter_(2, kept, False)
         drop[layer] = evicted
-    want = _reference_logits(tiny.model, pre.cache, ids[:, T:], drop)
+    want = reference_logits(tiny.model, pre.cache, ids[:, T:], drop)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     # and the eviction mattered: the uncompressed continuation differs
-    full = _reference_logits(tiny.model, pre.cache, ids[:, T:], {})
+    full = reference_logits(tiny.model, pre.cache, ids[:, T:], {})
     assert (full - got).abs().max() > 1e-4
 
 
@@ -460,7 +406,7 @@ def _recording_attention(module: nn.Module, query: Tensor, *args: Any, **kwargs:
     scaling = kwargs.get("scaling")
     scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
     _queries[int(module.layer_idx)] = (query.detach().clone(), scale)  # type: ignore[arg-type]
-    return _reference_attention(module, query, *args, **kwargs)
+    return reference_attention(module, query, *args, **kwargs)
 
 
 def _prefill_queries(model: nn.Module, ids: Tensor) -> dict[int, tuple[Tensor, float]]:
@@ -474,7 +420,7 @@ def _prefill_queries(model: nn.Module, ids: Tensor) -> dict[int, tuple[Tensor, f
     AttentionMaskInterface.register(name, eager_mask)
     previous = model.config._attn_implementation
     _queries.clear()
-    _drop.clear()
+    evicted_entries.clear()
     try:
         model.set_attn_implementation(name)
         with torch.no_grad():

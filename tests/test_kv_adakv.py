@@ -10,79 +10,24 @@ logits to 1e-10.
 
 from __future__ import annotations
 
-import copy
 import itertools
 import math
 from typing import Any
 
 import pytest
 import torch
+from reference_kv import reference_logits
 from tiny_models import tiny_model
-from torch import Tensor, nn
+from torch import Tensor
 
 from contribution_weights import kv
 from contribution_weights.kv.heads import with_padded_slots
 
 T, N, WINDOW = 24, 6, 8
-REFERENCE = "kv_adakv_reference"
-_drop: dict[int, Tensor] = {}  # layer -> (B, G, T) bool evicted
 
 
 def _ids(length: int, seed: int, batch: int = 1) -> Tensor:
     return torch.randint(0, 99, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def _reference_attention(
-    module: nn.Module,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attention_mask: Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    softcap: float | None = None,
-    **_: Any,
-) -> tuple[Tensor, None]:
-    rep = query.shape[1] // key.shape[1]
-    k = key.repeat_interleave(rep, dim=1)
-    v = value.repeat_interleave(rep, dim=1)
-    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    scores = query @ k.transpose(2, 3) * scale
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    if attention_mask is not None:
-        mask = attention_mask[:, :, :, : k.shape[2]]
-        if mask.dtype == torch.bool:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        else:
-            scores = scores + mask
-    drop = _drop.get(int(module.layer_idx))  # type: ignore[arg-type]
-    if drop is not None:  # every query here is a continuation query
-        hidden = torch.zeros_like(scores, dtype=torch.bool)
-        hidden[..., :T] = drop.repeat_interleave(rep, dim=1)[:, :, None, :]
-        scores = scores.masked_fill(hidden, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return (probs @ v).transpose(1, 2).contiguous(), None
-
-
-def _reference_logits(
-    model: nn.Module, cache: Any, new_ids: Tensor, drop: dict[int, Tensor]
-) -> Tensor:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, eager_mask
-
-    AttentionInterface.register(REFERENCE, _reference_attention)
-    AttentionMaskInterface.register(REFERENCE, eager_mask)
-    previous = model.config._attn_implementation
-    _drop.clear()
-    _drop.update(drop)
-    try:
-        model.set_attn_implementation(REFERENCE)
-        with torch.no_grad():
-            return model(input_ids=new_ids, cache=copy.deepcopy(cache)).logits
-    finally:
-        _drop.clear()
-        model.set_attn_implementation(previous)
 
 
 def _evicted(small: kv.CompressedCache) -> dict[int, Tensor]:
@@ -103,9 +48,9 @@ def _check_continuation(
         first = small.forward(model.model, ids[:, T : T + 3]).logits
         second = small.forward(model.model, ids[:, T + 3 :]).logits
     got = torch.cat([first, second], dim=1)
-    want = _reference_logits(model.model, pre.cache, ids[:, T:], _evicted(small))
+    want = reference_logits(model.model, pre.cache, ids[:, T:], _evicted(small))
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
-    full = _reference_logits(model.model, pre.cache, ids[:, T:], {})
+    full = reference_logits(model.model, pre.cache, ids[:, T:], {})
     assert (full - got).abs().max() > 1e-4  # the eviction mattered
 
 
@@ -259,7 +204,7 @@ def test_generate_after_an_adakv_compression_matches_a_manual_greedy_loop() -> N
     assert torch.equal(gen, tokens)
     assert model.model.config._attn_implementation == "sdpa"
     # and the greedy tokens are those of the reference over the kept entries
-    want = _reference_logits(model.model, pre.cache, tokens[:, :-1], _evicted(manual))
+    want = reference_logits(model.model, pre.cache, tokens[:, :-1], _evicted(manual))
     assert torch.equal(want[:, 2:].argmax(-1), tokens[:, 3:])
 
 

@@ -46,7 +46,7 @@ import torch
 
 from ..measures.aggregates import normalised
 from ..progress import bar
-from .report_data import b64
+from .report_data import b64, page_data
 
 if TYPE_CHECKING:
     from ..tracing.result import Trace
@@ -296,21 +296,10 @@ class LongEncoder:
 def read_long_report(source: str | Any) -> tuple[dict[str, Any], dict[tuple[str, int], LongChunk]]:
     """The metadata and decoded chunks of a long-view page (a path, or its HTML text)."""
     import base64
-    import json
-    from pathlib import Path
 
-    text = str(source)
-    if "<html" not in text[:2000].lower():
-        text = Path(source).read_text("utf-8")
-    found = re.search(r'<script type="application/json" id="cw-meta">(.*?)</script>', text, re.S)
-    if found is None:
-        raise ValueError("this HTML holds no contribution-weights report data (no cw-meta)")
-    meta = json.loads(found.group(1))
+    meta, blobs = page_data(source)
     if meta.get("view") != "long":
         raise ValueError("this report is not a long view; read it with read_report")
-    blobs = dict(
-        re.findall(r'<script type="application/x-cw-chunk" id="([^"]+)">([^<]*)</script>', text)
-    )
     window = 0 if meta["window"] is None else meta["window"][1] - meta["window"][0]
     chunks = {}
     for m, name in enumerate(meta["measure_order"]):

@@ -44,6 +44,7 @@ from .report_data import (  # DEFAULT_*: light, for `cw report --help` before to
     check_precision,
     decode_chunk,
     encode_chunk,
+    page_data,
     rounding_note,
 )
 
@@ -319,6 +320,28 @@ def _choose_layers(
     return None
 
 
+def _fit_layers(
+    enc: _Encoder | LongEncoder,
+    wanted: list[int],
+    max_bytes: int | None,
+    page_for: Callable[[list[int]], str],
+) -> tuple[list[int], str]:
+    """Every wanted layer without a limit, else :func:`_choose_layers`'s choice, or an
+    error that says by how much one layer is over."""
+    if max_bytes is None:
+        return wanted, page_for(wanted)
+    found = _choose_layers(enc, wanted, max_bytes, page_for)
+    if found is None:
+        enc.close()
+        one = len(page_for([]).encode()) + min(enc.layer_bytes(x) for x in wanted[-1:])
+        raise ValueError(
+            f"even one layer makes the report larger than max_bytes={max_bytes:,} "
+            f"(about {one / 2**20:.1f} MiB); raise max_bytes (CLI: --max-bytes), embed "
+            "fewer measures, or trace a shorter text"
+        )
+    return found
+
+
 def _render(
     meta: dict[str, Any], chunks: list[tuple[ChunkInfo, str]], title: str, compact: bool
 ) -> str:
@@ -417,19 +440,7 @@ def build_report(
     def page_for(chosen: list[int]) -> str:
         return render(chosen, notes_for(chosen))
 
-    if max_bytes is None:
-        chosen, page = wanted, page_for(wanted)
-    else:
-        found = _choose_layers(enc, wanted, max_bytes, page_for)
-        if found is None:
-            enc.close()
-            one = len(page_for([]).encode()) + min(enc.layer_bytes(x) for x in wanted[-1:])
-            raise ValueError(
-                f"even one layer makes the report larger than max_bytes={max_bytes:,} "
-                f"(about {one / 2**20:.1f} MiB); raise max_bytes (CLI: --max-bytes), embed "
-                "fewer measures, or trace a shorter text"
-            )
-        chosen, page = found
+    chosen, page = _fit_layers(enc, wanted, max_bytes, page_for)
     enc.close()
     notes = notes_for(chosen)
     if notes:
@@ -538,17 +549,7 @@ def _build_long(
             chunks.update(enc.layer(layer))
         return render_long({**meta, "layers": chosen, "warnings": notes_for(chosen)}, chunks, title)
 
-    if limit is None:
-        chosen, page = wanted, page_for(wanted)
-    else:
-        found = _choose_layers(enc, wanted, limit, page_for)
-        if found is None:
-            enc.close()
-            raise ValueError(
-                f"even one layer makes the report larger than max_bytes={limit:,}; raise "
-                "max_bytes (CLI: --max-bytes) or embed fewer measures"
-            )
-        chosen, page = found
+    chosen, page = _fit_layers(enc, wanted, limit, page_for)
     enc.close()
     notes = notes_for(chosen)
     if chosen != wanted:
@@ -643,16 +644,7 @@ class EmbeddedReport:
 
 def read_report(source: str | Path) -> EmbeddedReport:
     """Decode the data embedded in a report (a path, or the HTML text itself)."""
-    text = str(source)
-    if "<html" not in text[:2000].lower():
-        text = Path(source).read_text("utf-8")
-    found = re.search(r'<script type="application/json" id="cw-meta">(.*?)</script>', text, re.S)
-    if found is None:
-        raise ValueError("this HTML holds no contribution-weights report data (no cw-meta)")
-    meta = json.loads(found.group(1))
-    blobs = dict(
-        re.findall(r'<script type="application/x-cw-chunk" id="([^"]+)">([^<]*)</script>', text)
-    )
+    meta, blobs = page_data(source)
     k, t = meta["num_heads"] + 1, meta["num_tokens"]
     values = {}
     for key, script_id in meta["chunks"].items():

@@ -25,9 +25,13 @@ query row), then ``K·N`` codes;
 from __future__ import annotations
 
 import base64
+import json
+import re
 import zlib
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -165,3 +169,16 @@ class ChunkInfo:
     layer: str  # model layer index as text, or "mean"
     script_id: str
     compressed_bytes: int
+
+
+def page_data(source: str | Path) -> tuple[dict[str, Any], dict[str, str]]:
+    """A report page's metadata and its chunks (script id -> base64 text), from a path or
+    the HTML text itself."""
+    text = str(source)
+    if "<html" not in text[:2000].lower():
+        text = Path(source).read_text("utf-8")
+    found = re.search(r'<script type="application/json" id="cw-meta">(.*?)</script>', text, re.S)
+    if found is None:
+        raise ValueError("this HTML holds no contribution-weights report data (no cw-meta)")
+    blobs = re.findall(r'<script type="application/x-cw-chunk" id="([^"]+)">([^<]*)</script>', text)
+    return json.loads(found.group(1)), dict(blobs)

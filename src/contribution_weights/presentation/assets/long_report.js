@@ -89,19 +89,7 @@
   const esc = (s) => s.replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" }[c]));
   const shown = (tok) => tok.replace(/\n/g, "↵").replace(/\t/g, "⇥") || "∅";
 
-  let pending = 0;
-  function busy(d) {
-    pending += d;
-    document.body.dataset.pending = String(pending);
-    $("cw-status").textContent = pending > 0 ? "decoding…" : "";
-  }
-  function fail(err) {
-    const box = document.createElement("div");
-    box.className = "warning error";
-    box.textContent = "Error: " + (err && err.message ? err.message : err);
-    $("cw-warnings").appendChild(box);
-    console.error(err);
-  }
+  const { busy, fail } = cwStatus();
 
   const tokenEls = [];
   function buildTokens() {

@@ -76,19 +76,7 @@
   const headName = (h) => (h === SUM ? "Σ heads" : "head " + h);
 
   // ---- status -----------------------------------------------------------------------
-  let pending = 0;
-  function busy(delta) {
-    pending += delta;
-    document.body.dataset.pending = String(pending);
-    $("cw-status").textContent = pending > 0 ? "decoding…" : "";
-  }
-  function fail(err) {
-    const box = document.createElement("div");
-    box.className = "warning error";
-    box.textContent = "Error: " + (err && err.message ? err.message : err);
-    $("cw-warnings").appendChild(box);
-    console.error(err);
-  }
+  const { busy, fail } = cwStatus();
 
   // ---- tokens -----------------------------------------------------------------------
   const tokenEls = [];

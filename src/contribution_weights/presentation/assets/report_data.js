@@ -21,6 +21,26 @@ async function cwInflate(bytes) {
   return new Response(stream).arrayBuffer();
 }
 
+/* The status line (#cw-status) and error banners (#cw-warnings) both views share:
+ * busy(+1/-1) counts pending decodes in body[data-pending]; fail(err) shows an error. */
+function cwStatus() {
+  let pending = 0;
+  return {
+    busy(delta) {
+      pending += delta;
+      document.body.dataset.pending = String(pending);
+      document.getElementById("cw-status").textContent = pending > 0 ? "decoding…" : "";
+    },
+    fail(err) {
+      const box = document.createElement("div");
+      box.className = "warning error";
+      box.textContent = "Error: " + (err && err.message ? err.message : err);
+      document.getElementById("cw-warnings").appendChild(box);
+      console.error(err);
+    },
+  };
+}
+
 function cwStore(META) {
   "use strict";
   const T = META.num_tokens;
