@@ -1,10 +1,13 @@
-"""Timing shared by the benchmark scripts: the median of repeated calls after a warm-up."""
+"""Shared by the benchmark scripts: timing (the median of repeated calls after a warm-up)
+and where the evaluation data are."""
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 
@@ -29,3 +32,16 @@ def interleaved_medians(fns: dict[str, Callable[[], Any]], repeats: int = 5) -> 
             fn()
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def data_dir() -> Path:
+    """The evaluation data folder the benchmarks read (``$CW_DATA_DIR``), or an exit that
+    says how to set it."""
+    value = os.environ.get("CW_DATA_DIR")
+    if not value or not Path(value).is_dir():
+        raise SystemExit(
+            "this benchmark reads the evaluation data sets: set CW_DATA_DIR to their folder "
+            "(laid out as docs/method.md, 'Evaluation data', describes)"
+            + (f"; {value} is not a folder" if value else "")
+        )
+    return Path(value)

@@ -37,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+from _timing import data_dir  # benchmarks/_timing.py, beside this script
 
 
 def texts_of_length(model, tokens: int, n: int) -> list[list[int]]:
@@ -132,7 +132,7 @@ def main() -> int:
     p.add_argument("--model", default=None)
     p.add_argument("--out", type=Path, default=None, help="write results.json here")
     args = p.parse_args()
-    os.environ.setdefault("CW_DATA_DIR", str(SHARED))
+    data_dir()  # $CW_DATA_DIR, checked
 
     import torch
 

@@ -23,14 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 from pathlib import Path
 from typing import Any
 
-from _timing import interleaved_medians  # benchmarks/_timing.py, beside this script
-
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+from _timing import data_dir, interleaved_medians  # benchmarks/_timing.py, beside this script
 
 
 def main() -> int:
@@ -40,7 +37,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", type=Path, default=None, help="write results.json here")
     args = p.parse_args()
-    os.environ.setdefault("CW_DATA_DIR", str(SHARED))
+    data_dir()  # $CW_DATA_DIR, checked
 
     import torch
 

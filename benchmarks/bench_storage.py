@@ -27,15 +27,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _timing import median_seconds  # benchmarks/_timing.py, beside this script
-
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "fineweb_edu"
+from _timing import data_dir, median_seconds  # benchmarks/_timing.py, beside this script
 
 
 def _ids(model: Any, length: int) -> Any:
     import torch
 
-    jsonl = DATA / "fineweb_edu_sample10BT_150docs.jsonl"
+    jsonl = data_dir() / "fineweb_edu" / "fineweb_edu_sample10BT_150docs.jsonl"
     if jsonl.exists():
         texts = [json.loads(line)["text"] for line in jsonl.read_text().splitlines()]
     else:

@@ -39,9 +39,10 @@ import threading
 import time
 from pathlib import Path
 
+from _timing import data_dir  # benchmarks/_timing.py, beside this script
+
 METHODS = ["eager", "sdpa", "contribution", "default", "naive"]
 ALL_METHODS = [*METHODS, "layers3", "no-maps", "stream-f16"]
-SHARED_TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "fineweb_edu"
 
 
 class PeakRSS:
@@ -77,7 +78,7 @@ def benchmark_ids(model, length: int):
     import torch
 
     texts: list[str] = []
-    jsonl = SHARED_TEXT / "fineweb_edu_sample10BT_150docs.jsonl"
+    jsonl = data_dir() / "fineweb_edu" / "fineweb_edu_sample10BT_150docs.jsonl"
     if jsonl.exists():
         texts = [json.loads(line)["text"] for line in jsonl.read_text().splitlines()]
     else:

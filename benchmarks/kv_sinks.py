@@ -20,12 +20,11 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import statistics
 from pathlib import Path
 from typing import Any
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+from _timing import data_dir  # benchmarks/_timing.py, beside this script
 
 
 class _ZeroFirstColumn:
@@ -51,7 +50,7 @@ def main() -> int:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
-    os.environ.setdefault("CW_DATA_DIR", str(SHARED))
+    data_dir()  # $CW_DATA_DIR, checked
 
     import torch
 

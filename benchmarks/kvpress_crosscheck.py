@@ -32,11 +32,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 from typing import Any
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+from _timing import data_dir  # benchmarks/_timing.py, beside this script
+
 # ours -> kvpress press name
 SHARED_METHODS = {
     "streaming_llm": "StreamingLLMPress",
@@ -54,7 +54,7 @@ def ours(args: argparse.Namespace) -> None:
     import contribution_weights as cw
     from contribution_weights.kv.evaluate import lm_item, lm_items, lm_score
 
-    os.environ.setdefault("CW_DATA_DIR", str(SHARED))
+    data_dir()  # $CW_DATA_DIR, checked
     model = cw.load_model()
     texts = cw.data.load_texts("fineweb-edu")
     record: dict[str, Any] = {
