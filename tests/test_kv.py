@@ -164,8 +164,13 @@ def test_kv_eval_runs_resumes_and_summarises(tmp_path: Any) -> None:
     )  # fmt: skip
     first = kv_eval(model, options=opts, out=tmp_path / "run", progress=False)
     assert list(first.summary.columns) == [
-        "method", "task", "ratio", "n", "accuracy_mean", "accuracy_se"
+        "method", "task", "ratio", "n", "accuracy_mean", "accuracy_se", "compress_s", "kept_mib"
     ]  # fmt: skip
+    # cost beside quality: half the entries kept is half the bytes (one cache dtype)
+    mib = first.summary.set_index(["method", "ratio"])["kept_mib"]
+    for method in ("contribution_sinks", "h2o"):
+        assert mib[(method, 0.5)] == pytest.approx(mib[("none", 0.0)] / 2, rel=0.02)
+    assert (first.summary["compress_s"] >= 0).all()
     assert set(zip(first.summary["method"], first.summary["ratio"], strict=True)) == {
         ("none", 0.0), ("contribution_sinks", 0.5), ("h2o", 0.5)
     }  # fmt: skip
@@ -197,7 +202,9 @@ def test_kv_eval_runs_resumes_and_summarises(tmp_path: Any) -> None:
                                              context_tokens=16, n=2, window=4),
         progress=False,
     )  # fmt: skip
-    assert list(lm.summary.columns) == ["method", "task", "ratio", "n", "nll_mean", "nll_se"]
+    assert list(lm.summary.columns) == [
+        "method", "task", "ratio", "n", "nll_mean", "nll_se", "compress_s", "kept_mib"
+    ]  # fmt: skip
     assert lm.config["items_available"] == 2
     paired = lm.paired().set_index(["method", "ratio"])
     assert list(paired.columns) == ["task", "n", "delta_mean", "delta_se"]

@@ -263,7 +263,8 @@ def test_kv_eval_runs_a_ruler_task_in_both_settings_and_resumes(
     assert tokens["query_agnostic"] < tokens["query_aware"] < 512  # the question prefilled
     summary = first.summary
     assert list(summary.columns) == ["method", "task", "setting", "ratio", "n", "accuracy_mean",
-                                     "accuracy_se", "uncompressed_accuracy"]  # fmt: skip
+                                     "accuracy_se", "uncompressed_accuracy", "compress_s",
+                                     "kept_mib"]  # fmt: skip
     assert len(summary) == 6 and (summary["n"] == 2).all()
     for setting, group in summary.groupby("setting"):
         none = group[group["method"] == "none"]["accuracy_mean"].item()

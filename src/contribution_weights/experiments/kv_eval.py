@@ -29,7 +29,7 @@ import pandas as pd
 import torch
 
 from ..defaults import KV_RATIOS, KV_TASKS, RULER_TASKS  # light: the CLI shows them first
-from ..kv import compress, prefill
+from ..kv import CompressedCache, compress, prefill
 from ..kv.evaluate import lm_item, lm_items, lm_score, passkey_items, passkey_score
 from ..kv.ruler import RulerItem, ruler_items, ruler_score
 from ..loading import LoadedModel
@@ -114,7 +114,8 @@ def summarise(per_item: pd.DataFrame, task: str, by: Sequence[str] = ()) -> pd.D
         n=(metric, "size"), **{f"{metric}_mean": (metric, "mean"), f"{metric}_se": (metric, "sem")}
     ).reset_index()
     out["task"] = task
-    return out.sort_values(["ratio", "method", *by], kind="stable")[cols].reset_index(drop=True)
+    out = out.sort_values(["ratio", "method", *by], kind="stable")[cols].reset_index(drop=True)
+    return _with_costs(out, per_item, ["method", "ratio", *by])
 
 
 def paired_summary(per_item: pd.DataFrame, task: str) -> pd.DataFrame:
@@ -157,7 +158,7 @@ def ruler_summary(per_item: pd.DataFrame, by: Sequence[str] = ()) -> pd.DataFram
     base = out[out["method"] == NO_COMPRESSION].set_index(keys)["accuracy_mean"]
     index = pd.MultiIndex.from_frame(out[keys])
     out["uncompressed_accuracy"] = base.reindex(index).to_numpy(dtype=float)
-    return _ruler_order(out, by)[cols]
+    return _with_costs(_ruler_order(out, by)[cols], per_item, [*keys, "method", "ratio"])
 
 
 def _ruler_order(frame: pd.DataFrame, by: Sequence[str] = ()) -> pd.DataFrame:
@@ -182,6 +183,32 @@ def _items(model: LoadedModel, opts: KVEvalOptions, texts: Sequence[str] | None)
             yield lm_item(ids, opts.context_tokens)
 
 
+#: per-row cost columns (rows of runs before they existed lack them)
+COST_COLUMNS = ("compress_s", "kept_mib")
+
+
+def cost(small: CompressedCache, seconds: float) -> dict[str, float]:
+    """What a compression costs: ``compress_s``, the seconds to score and evict (the
+    prefill that gathered the statistics is shared by every method and counted apart, as
+    ``prefill_s``), and ``kept_mib``, the MiB of keys and values the compressed layers
+    store (padded slots of head-adaptive methods included)."""
+    stored = 0
+    for idx, kept in small.kept.items():  # the cache may since hold continuation tokens too
+        layer = small.cache.layers[idx]
+        for x in (layer.keys, layer.values):
+            stored += x[..., : kept.shape[-1], :].numel() * x.element_size()
+    return {"compress_s": round(seconds, 4), "kept_mib": round(stored / 2**20, 4)}
+
+
+def _with_costs(out: pd.DataFrame, per_item: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    """``out`` with the mean of each cost column over the same groups, where rows have it."""
+    have = [c for c in COST_COLUMNS if c in per_item.columns]
+    if not have:
+        return out
+    means = per_item.groupby(keys, sort=False)[have].mean().reset_index()
+    return out.merge(means, on=keys, how="left")
+
+
 def first_token_kept(kept: dict[int, torch.Tensor]) -> float:
     """Fraction of (layer, KV head) kept sets that hold position 0 (the usual sink)."""
     flags = [(k == 0).any(-1).float().mean() for k in kept.values()]
@@ -199,7 +226,9 @@ def item_rows(model: LoadedModel, item: Any, opts: KVEvalOptions) -> list[dict[s
     prefill_s = time.perf_counter() - started
     rows = []
     for method, ratio in opts.configurations():
+        started = time.perf_counter()
         small = compress(pre, "h2o" if method == NO_COMPRESSION else method, ratio)
+        spent = time.perf_counter() - started
         if opts.task == "passkey":
             scores = passkey_score(model, small, item)
             extra = {"depth": item.depth}
@@ -214,6 +243,7 @@ def item_rows(model: LoadedModel, item: Any, opts: KVEvalOptions) -> list[dict[s
                 **scores,
                 "first_token_kept": first_token_kept(small.kept),
                 "prefill_s": round(prefill_s, 3),
+                **cost(small, spent),
             }
         )
     return rows
@@ -229,7 +259,9 @@ def ruler_rows(model: LoadedModel, item: RulerItem, opts: KVEvalOptions) -> list
         pre = prefill(model, ids, opts.window, seed=opts.seed, methods=opts.methods)
         prefill_s = time.perf_counter() - started
         for method, ratio in opts.configurations():
+            started = time.perf_counter()
             small = compress(pre, "h2o" if method == NO_COMPRESSION else method, ratio)
+            spent = time.perf_counter() - started
             scores = ruler_score(model, small, item, setting)
             rows.append(
                 {
@@ -243,6 +275,7 @@ def ruler_rows(model: LoadedModel, item: RulerItem, opts: KVEvalOptions) -> list
                     "first_token_kept": first_token_kept(small.kept),
                     "prefill_tokens": int(ids.shape[1]),
                     "prefill_s": round(prefill_s, 3),
+                    **cost(small, spent),
                 }
             )
     return rows
