@@ -18,7 +18,7 @@ keys are always kept):
   :class:`~contribution_weights.kv.StatsObserver` in the same capture pass, over the last
   ``--window`` prefill queries): mean α (``window_attention``), α accumulated over every
   prefill query (``h2o``), ``r = ‖ṽ_j‖``, ``κ`` (mean cos(o_i, ṽ_j), o_i the layer output,
-  SPEC §2), ``α/(1−α)``, ``α·r`` (the norm of the first-order change −α ṽ_j), Σ|ĉ|
+  method §2), ``α/(1−α)``, ``α·r`` (the norm of the first-order change −α ṽ_j), Σ|ĉ|
   (``contribution``), Σ α‖o_i^(h) − ṽ_j‖ (the exact direction without the 1/(1−α)
   amplification) and Σ‖Δo‖ (``renormalised``); at the KV-head level also the registered
   methods' own scores (SnapKV, TOVA, H2O, observed attention, VATP, key norm, KeyDiff,
@@ -116,7 +116,7 @@ CROSS_GRAMS: dict[int, Any] = {}  # per layer, for the one model a run loads
 # ---- capture observers ---------------------------------------------------------------------
 class WindowGeometry:
     """Prefill capture observer: per compressible layer, sums over the window's queries of
-    the predictors the KV statistics do not hold: κ_ij (layer output, SPEC §2),
+    the predictors the KV statistics do not hold: κ_ij (layer output, method §2),
     α_ij/(1 − α_ij) and α_ij ‖o_i^(h) − ṽ_j^(h)‖; each ``(B, H, T)``."""
 
     def __init__(self, layers: set[int], window: int) -> None:

@@ -8,7 +8,7 @@ tokens, the NLL of the next 128 tokens when token 0 is
 * kept (the full cache);
 * evicted from every compressible layer's cache: the softmax renormalises over the rest
   (what any KV-cache method does);
-* removed the faithfulness way (SPEC §4): its attention column multiplied by 0 on the
+* removed the faithfulness way (method §4): its attention column multiplied by 0 on the
   capture path, without renormalising (what ĉ measures);
 
 and, from the prefill's last-64-query window, token 0's share of the attention
