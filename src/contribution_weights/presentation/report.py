@@ -342,6 +342,51 @@ def _fit_layers(
     return found
 
 
+def _dropped_note(
+    wanted: list[int], chosen: list[int], max_bytes: int | None, extra: str = ""
+) -> list[str]:
+    """The page's note on the layers left out for size (none when all fit)."""
+    if chosen == wanted or max_bytes is None:
+        return []
+    dropped = [layer for layer in wanted if layer not in chosen]
+    return [
+        f"All {len(wanted)} layers would not fit the limit of "
+        f"{max_bytes / 2**20:.1f} MiB: embedded {len(chosen)} evenly spaced layers "
+        f"({', '.join(map(str, chosen))}); left out {_ranges(dropped)}. {extra}"
+        "Raise max_bytes (cw report --max-bytes), pick layers, or embed fewer measures."
+    ]
+
+
+def _finish(
+    enc: _Encoder | LongEncoder,
+    wanted: list[int],
+    max_bytes: int | None,
+    page_for: Callable[[list[int]], str],
+    notes_for: Callable[[list[int]], list[str]],
+    names: list[str],
+    precision: str,
+    view: str,
+) -> tuple[str, ReportInfo]:
+    """Both views' last step: the layers that fit, the page, a warning for those left out
+    (the last note), and what was embedded."""
+    chosen, page = _fit_layers(enc, wanted, max_bytes, page_for)
+    enc.close()
+    notes = notes_for(chosen)
+    if chosen != wanted:
+        warnings.warn(ReportSizeWarning(notes[-1]), stacklevel=4)
+    info = ReportInfo(
+        path=None,
+        size_bytes=len(page.encode()),
+        measures=names,
+        layers=list(chosen),
+        dropped_layers=[layer for layer in wanted if layer not in chosen],
+        precision=precision,
+        warnings=notes,
+        view=view,
+    )
+    return page, info
+
+
 def _render(
     meta: dict[str, Any], chunks: list[tuple[ChunkInfo, str]], title: str, compact: bool
 ) -> str:
@@ -425,36 +470,15 @@ def build_report(
             chunks += [enc.layer(layer)[k] for layer in chosen]
         return _render({**meta, "layers": chosen, "warnings": notes}, chunks, title, compact)
 
+    mean_note = f"'Mean over layers' still averages all {len(trace.layers)} traced layers. "
+
     def notes_for(chosen: list[int]) -> list[str]:
-        if chosen == wanted or max_bytes is None:
-            return []
-        dropped = [layer for layer in wanted if layer not in chosen]
-        return [
-            f"All {len(wanted)} layers would not fit the limit of "
-            f"{max_bytes / 2**20:.1f} MiB: embedded {len(chosen)} evenly spaced layers "
-            f"({', '.join(map(str, chosen))}); left out {_ranges(dropped)}. "
-            f"'Mean over layers' still averages all {len(trace.layers)} traced layers. "
-            "Raise max_bytes (cw report --max-bytes), pick layers, or embed fewer measures."
-        ]
+        return _dropped_note(wanted, chosen, max_bytes, mean_note)
 
     def page_for(chosen: list[int]) -> str:
         return render(chosen, notes_for(chosen))
 
-    chosen, page = _fit_layers(enc, wanted, max_bytes, page_for)
-    enc.close()
-    notes = notes_for(chosen)
-    if notes:
-        warnings.warn(ReportSizeWarning(notes[0]), stacklevel=3)
-    info = ReportInfo(
-        path=None,
-        size_bytes=len(page.encode()),
-        measures=names,
-        layers=list(chosen),
-        dropped_layers=[layer for layer in wanted if layer not in chosen],
-        precision=precision,
-        warnings=notes,
-    )
-    return page, info
+    return _finish(enc, wanted, max_bytes, page_for, notes_for, names, precision, "full")
 
 
 def resolve_view(trace: Trace, view: str) -> str:
@@ -533,15 +557,7 @@ def _build_long(
                 "This trace holds no maps (traced with maps=False / --no-maps): the page "
                 "shows the per-token views, without the query × key window."
             )
-        if chosen != wanted and limit is not None:
-            dropped = [layer for layer in wanted if layer not in chosen]
-            notes.append(
-                f"All {len(wanted)} layers would not fit the limit of "
-                f"{limit / 2**20:.1f} MiB: embedded {len(chosen)} evenly spaced layers "
-                f"({', '.join(map(str, chosen))}); left out {_ranges(dropped)}. Raise "
-                "max_bytes (cw report --max-bytes), pick layers, or embed fewer measures."
-            )
-        return notes
+        return notes + _dropped_note(wanted, chosen, limit)
 
     def page_for(chosen: list[int]) -> str:
         chunks: dict[str, str] = {}
@@ -549,22 +565,7 @@ def _build_long(
             chunks.update(enc.layer(layer))
         return render_long({**meta, "layers": chosen, "warnings": notes_for(chosen)}, chunks, title)
 
-    chosen, page = _fit_layers(enc, wanted, limit, page_for)
-    enc.close()
-    notes = notes_for(chosen)
-    if chosen != wanted:
-        warnings.warn(ReportSizeWarning(notes[-1]), stacklevel=3)
-    info = ReportInfo(
-        path=None,
-        size_bytes=len(page.encode()),
-        measures=names,
-        layers=list(chosen),
-        dropped_layers=[layer for layer in wanted if layer not in chosen],
-        precision="uint8",
-        warnings=notes,
-        view="long",
-    )
-    return page, info
+    return _finish(enc, wanted, limit, page_for, notes_for, names, "uint8", "long")
 
 
 def write_report(
