@@ -177,18 +177,40 @@ def window_rows(trace: Trace, name: str, pos: int, window: tuple[int, int]) -> n
     return np.add.reduceat(total, key_bins(trace.num_tokens), axis=1)
 
 
+@dataclass
+class MeasureViews:
+    """One measure's per-token arrays over every traced layer, read once for all chunks."""
+
+    scores: np.ndarray  # (L, H, T) token scores
+    first: np.ndarray  # (L, H, T) each query's normalised weight on token 0
+    source_values: np.ndarray  # (L, H, T, k)
+    source_keys: np.ndarray  # (L, H, T, k), -1: empty
+
+    @classmethod
+    def of(cls, trace: Trace, name: str, k: int) -> MeasureViews:
+        if k > 0:
+            values, keys = trace.top_k(name, k)
+            vals, top = values.double().numpy(), keys.long().numpy()
+        else:  # a trace without maps that kept no top-k keys
+            shape = (len(trace.layers), trace.num_heads, trace.num_tokens, 0)
+            vals, top = np.zeros(shape), np.zeros(shape, dtype=np.int64)
+        return cls(
+            scores=trace.token_scores(name).double().numpy(),
+            first=first_weights(trace, name).numpy(),
+            source_values=vals,
+            source_keys=top,
+        )
+
+
 def layer_chunk(
-    trace: Trace, name: str, pos: int, window: tuple[int, int] | None, k: int
+    trace: Trace,
+    name: str,
+    pos: int,
+    window: tuple[int, int] | None,
+    views: MeasureViews,
 ) -> LongChunk:
     """The long view's data for one (measure, traced layer)."""
-    scores = trace.token_scores(name)[pos].double().numpy()
-    first = first_weights(trace, name)[pos].numpy()
-    if k > 0:
-        values, keys = trace.top_k(name, k)
-        vals, top = values[pos].double().numpy(), keys[pos].long().numpy()
-    else:  # a trace without maps that kept no top-k keys
-        vals, top = np.zeros((trace.num_heads, trace.num_tokens, 0)), np.zeros((0,), int)
-        top = top.reshape(vals.shape)
+    scores, first, vals = views.scores[pos], views.first[pos], views.source_values[pos]
     peak = np.abs(vals[..., :1])
     rel = np.divide(vals, peak, out=np.zeros_like(vals), where=peak > 0)
     bins = len(key_bins(trace.num_tokens))
@@ -197,7 +219,7 @@ def layer_chunk(
         scores=np.concatenate([scores, scores.sum(0, keepdims=True)]),
         first=np.concatenate([first, first.sum(0, keepdims=True)]),
         window=win,
-        source_keys=top,
+        source_keys=views.source_keys[pos],
         source_weights=rel,
     )
 
@@ -260,7 +282,13 @@ class LongEncoder:
             signed,
         )
         self._chunks: dict[int, dict[str, str]] = {}
+        self._views: dict[str, MeasureViews] = {}
         self.bar = bar(total=total, desc="report: encoding", unit="layer", disable=not progress)
+
+    def views(self, name: str) -> MeasureViews:
+        if name not in self._views:
+            self._views[name] = MeasureViews.of(self.trace, name, self.k)
+        return self._views[name]
 
     def layer(self, layer: int) -> dict[str, str]:
         """``script id -> base64 chunk`` of every measure at a model layer."""
@@ -268,7 +296,7 @@ class LongEncoder:
             pos = self.trace.layer_position(layer)
             out = {}
             for m, name in enumerate(self.names):
-                chunk = layer_chunk(self.trace, name, pos, self.window, self.k)
+                chunk = layer_chunk(self.trace, name, pos, self.window, self.views(name))
                 out[f"cw-l{m}-{layer}"] = b64(encode_long_chunk(chunk, self.signed[name]))
             if self.trace.maps is not None:
                 # drop the shards' memory maps: the window's pages of every layer would
