@@ -6,7 +6,12 @@ is downloaded, and random weights cost what real ones do. For each length it mea
 one run:
 
 * ``sdpa``: the model's own sdpa forward (the floor);
-* ``no-maps``: ``cw.trace(..., maps=False)`` with the default measures (reductions only);
+* ``no-maps``: ``cw.trace(..., maps=False, kernels="torch")`` with the default measures
+  (reductions only, plain torch);
+* ``no-maps-compiled``: the same with ``kernels="compiled"`` (the reductions fused by
+  ``torch.compile``, Triton on a GPU; compiled during the warm-up run, not timed). On CPUs
+  this measured slower than plain torch (benchmarks/bench_kernels.py), so ``kernels="auto"``
+  does not compile; this row is what would decide it for GPUs;
 * ``stream``: ``cw.trace(..., measures="contribution", out=DIR)``, every layer's map
   streamed to a temporary folder in bfloat16 (its size is reported).
 
@@ -15,7 +20,7 @@ above the loaded model (CUDA) or the peak resident memory above it (CPU). On a C
 ``--tiny`` (a 2-layer model of the same family with small sizes; the test suite runs it so).
 
     python benchmarks/bench_gpu.py --device cuda --lengths 2048,8192 --out bench-out
-    python benchmarks/bench_gpu.py --tiny --device cpu --lengths 64
+    python benchmarks/bench_gpu.py --tiny --device cpu --lengths 64 --methods sdpa,no-maps,stream
 """
 
 from __future__ import annotations
@@ -127,8 +132,9 @@ def run(model: Any, method: str, ids: Any, folder: Path) -> dict:
             if method == "sdpa":
                 model.model.set_attn_implementation("sdpa")
                 model.model(input_ids=ids[None], use_cache=False, logits_to_keep=1)
-            elif method == "no-maps":
-                cw.trace(model, ids, maps=False, progress=False)
+            elif method in ("no-maps", "no-maps-compiled"):
+                kernels = "compiled" if method == "no-maps-compiled" else "torch"
+                cw.trace(model, ids, maps=False, kernels=kernels, progress=False)
             elif method == "stream":
                 cw.trace(
                     model,
@@ -164,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--lengths", default="2048,8192")
-    parser.add_argument("--methods", default="sdpa,no-maps,stream")
+    parser.add_argument("--methods", default="sdpa,no-maps,no-maps-compiled,stream")
     parser.add_argument("--tiny", action="store_true", help="a tiny model of the same family")
     parser.add_argument("--out", type=Path, default=Path("bench-out"))
     args = parser.parse_args(argv)

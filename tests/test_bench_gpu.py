@@ -24,6 +24,8 @@ def test_bench_gpu_runs_tiny_on_cpu(tmp_path):
             "float32",
             "--lengths",
             "48",
+            "--methods",
+            "sdpa,no-maps,stream",  # no-maps-compiled: compiled in tests/test_kernels.py
             "--out",
             str(tmp_path),
         ]

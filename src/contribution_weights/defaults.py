@@ -20,6 +20,10 @@ STORAGE_DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64")
 #: keys kept per query in a trace's reductions (``measures.reductions``)
 DEFAULT_TOP_K = 8
 
+#: how a trace reduces its blocks (``measures.kernels``): plain torch, compiled, or compiled
+#: for long texts only
+KERNELS = ("auto", "torch", "compiled")
+
 #: removal experiments (``interventions``, faithfulness and downstream): what a removal
 #: keeps, how tokens are ranked, and the hidden-state cosine that marks a sink token
 MODES = ("comprehensiveness", "sufficiency")

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..defaults import DEFAULT_TOP_K, STORAGE_DTYPE_NAMES
+from ..defaults import DEFAULT_TOP_K, KERNELS, STORAGE_DTYPE_NAMES
 from .common import (
     add_model_arguments,
     add_text_arguments,
@@ -91,6 +91,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         "the traced layers' inputs then differ from an all-eager forward by float rounding)",
     )
     p.add_argument(
+        "--kernels",
+        choices=KERNELS,
+        default="auto",
+        help="how blocks are reduced: compiled with torch.compile (fused loops; a first "
+        "compile takes 10-60 s, then cached), plain torch, or auto (the one measured "
+        "faster on the device: plain torch so far; compiling measured slower on CPUs) "
+        "(default auto)",
+    )
+    p.add_argument(
         "--memory-limit",
         type=parse_bytes,
         default=None,
@@ -137,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         memory_limit=args.memory_limit,
         exact_inputs=args.exact_inputs,
+        kernels=args.kernels,
     )
     from ..tracing.folder import writer_lock
 

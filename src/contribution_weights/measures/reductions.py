@@ -41,8 +41,8 @@ from .aggregates import (
     first_token_weight,
     later_query_mean,
     normalised,
-    sum_a_log_a,
 )
+from .kernels import CHUNK, BlockSums, Kernels, chunk_maxima
 from .registry import AbsoluteOf, RowScaled, get_measure
 
 FIELDS = ("token_sums", "first", "row_sum", "entropy", "entropy_excl_first")
@@ -127,6 +127,7 @@ class ReductionAccumulator:
         top_k: int = DEFAULT_TOP_K,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        kernels: Kernels | None = None,
     ) -> None:
         if top_k < 0:
             raise ValueError(f"top_k must be 0 or more, not {top_k}")
@@ -134,6 +135,7 @@ class ReductionAccumulator:
         # k slots whatever T is: the slots a query cannot fill (it sees fewer keys) are
         # key −1, value 0, as for a query early in the text
         self.top_k = top_k
+        self.kernels = kernels if kernels is not None else Kernels("torch")
         self.results: dict[str, MeasureReductions] = {}
         # keys fit int16 up to 32,768 tokens (−1 marks an empty slot)
         key_dtype = torch.int16 if num_tokens <= 2**15 else torch.int32
@@ -155,10 +157,13 @@ class ReductionAccumulator:
             )
         # measures whose top keys are another's (vw_on: vw's, row-scaled; ihc: contribution's,
         # |·|) share that tensor instead of a copy
+        self._followed_by_abs: set[str] = set()  # measures whose |·| is traced too (ihc)
         for name in measures:
             base = follows(name, measures)
             if base is not None and name in self.results:
                 self.results[name].top_keys = self.results[base].top_keys
+                if isinstance(get_measure(name).algebra, AbsoluteOf):
+                    self._followed_by_abs.add(base)
 
     def add(
         self,
@@ -167,48 +172,88 @@ class ReductionAccumulator:
         first_query: int,
         w: Float[Tensor, "h i k"],
         first_key: int = 0,
-    ) -> Tensor:
+    ) -> BlockSums | None:
         """Fold in rows ``first_query …`` of layer ``pos``; ``w`` holds keys
         ``first_key … first_key + K − 1`` (the rest are zero: outside a sliding window).
 
         Maps are zero where a query may not attend (later keys), so sums over all rows
-        are sums over the queries i ≥ j. Returns ``|w|`` (or ``w`` for non-negative
-        measures) for shortcuts of measures derived from this one.
+        are sums over the queries i ≥ j. Returns the block's :class:`~.kernels.BlockSums`
+        (sums of ``|w|`` among them) for measures derived from this one (:meth:`add_abs_of`);
+        None for a measure that is not a weight (none follows from one).
         """
-        r = self.results[name]
-        rows = slice(first_query, first_query + w.shape[-2])
-        keys = slice(first_key, first_key + w.shape[-1])
-        w = w.to(r.token_sums.dtype)
-        r.token_sums[pos, :, keys] += w.sum(-2)
-        r.first[pos, :, rows] = w[..., 0] if first_key == 0 else 0
+        w = w.to(self.results[name].token_sums.dtype)
         m = get_measure(name)
-        a = w.abs() if m.signed else w
         if not m.is_weight:
-            r.row_sum[pos, :, rows] = w.sum(-1)
-            return a
-        # sums over the keys after token 0 first, then token 0 added: subtracting it from
-        # the whole row instead would cancel catastrophically in rows where the sink holds
-        # nearly all the weight
-        rest = a[..., 1:] if first_key == 0 else a
-        rest_total, rest_log = rest.sum(-1), sum_a_log_a(rest)
-        if first_key == 0:
-            a0 = a[..., 0]
-            total, a_log_a = rest_total + a0, rest_log - torch.special.entr(a0)
-            excl = entropy_of_rows(rest_total, rest_log)
-        else:
-            total, a_log_a = rest_total, rest_log
-        r.row_sum[pos, :, rows] = total if not m.signed else w.sum(-1)
+            self.fold_other(name, pos, first_query, w.sum(-2), w.sum(-1), w[..., 0], first_key)
+            return None  # no entropy, no top keys, and no measure follows from it
+        k = self.top_slots(name, w.shape[-1])
+        s = self.kernels.sums(
+            w,
+            signed=m.signed,
+            maxima=k > 0 and chunked(w.shape[-1], k),
+            col_abs=name in self._followed_by_abs,
+        )
+        top = None
+        if k:
+            idx = top_indices(w.abs() if m.signed else w, k, maxima=s.maxima)
+            top = idx, w.gather(-1, idx)
+        self.fold(name, pos, first_query, s, top, first_key)
+        return s
+
+    def top_slots(self, name: str, num_keys: int) -> int:
+        """How many top keys a block of ``num_keys`` keys gives ``name`` (0: none kept)."""
+        return min(self.top_k, num_keys) if self.results[name].top_values is not None else 0
+
+    def fold(
+        self,
+        name: str,
+        pos: int,
+        first_query: int,
+        s: BlockSums,
+        top: tuple[Tensor, Tensor] | None,
+        first_key: int = 0,
+    ) -> None:
+        """Fold a weight measure's block, given as its sums ``s`` and its top keys (indices
+        into the block's keys and their signed values, ``(H, I, k)`` each, or None), into
+        layer ``pos``: what :meth:`add` does after summing, shared with traces that sum
+        every measure in one compiled pass (:func:`~.kernels.fused_measure_sums`)."""
+        r = self.results[name]
+        rows = slice(first_query, first_query + s.row.shape[-1])
+        keys = slice(first_key, first_key + s.col.shape[-1])
+        r.token_sums[pos, :, keys] += s.col
+        r.first[pos, :, rows] = s.first_value if first_key == 0 else 0
+        # sums over the keys after the block's first, then that key added: subtracting token
+        # 0 from the whole row instead would cancel catastrophically in rows where the sink
+        # holds nearly all the weight
+        total = s.rest_total + s.first
+        a_log_a = s.rest_log - torch.special.entr(s.first)
+        r.row_sum[pos, :, rows] = s.row if get_measure(name).signed else total
         r.entropy[pos, :, rows] = entropy_of_rows(total, a_log_a)
-        if first_key != 0:
-            excl = r.entropy[pos, :, rows]
-        r.entropy_excl_first[pos, :, rows] = excl
+        r.entropy_excl_first[pos, :, rows] = (
+            entropy_of_rows(s.rest_total, s.rest_log) if first_key == 0 else r.entropy[pos, :, rows]
+        )
         if first_query == 0:
             r.entropy_excl_first[pos, :, 0] = 0
-        if r.top_values is not None and r.top_keys is not None:
-            k = min(self.top_k, w.shape[-1])
-            idx = top_indices(a, k)
-            self._set_top(r, pos, rows, idx + first_key, w.gather(-1, idx))
-        return a
+        if top is not None:
+            idx, values = top
+            self._set_top(r, pos, rows, idx + first_key, values)
+
+    def fold_other(
+        self,
+        name: str,
+        pos: int,
+        first_query: int,
+        col: Tensor,
+        row: Tensor,
+        first_value: Tensor,
+        first_key: int = 0,
+    ) -> None:
+        """Fold a measure that is not a weight (its column and row sums and w_i0)."""
+        r = self.results[name]
+        rows = slice(first_query, first_query + row.shape[-1])
+        r.token_sums[pos, :, first_key : first_key + col.shape[-1]] += col
+        r.first[pos, :, rows] = first_value if first_key == 0 else 0
+        r.row_sum[pos, :, rows] = row
 
     def _set_top(
         self, r: MeasureReductions, pos: int, rows: slice, keys: Tensor, values: Tensor
@@ -270,17 +315,18 @@ class ReductionAccumulator:
         base: str,
         pos: int,
         first_query: int,
-        abs_block: Tensor,
+        base_sums: BlockSums,
         first_key: int = 0,
     ) -> None:
         """Reductions of ``name`` = ``|base|`` (ihc = |ĉ|) from ``base``'s reductions and
-        the ``|base|`` block its :meth:`add` returned: entropy and top keys are |·|'s."""
+        the sums its :meth:`add` returned: entropy and top keys are |·|'s."""
         r, b = self.results[name], self.results[base]
-        rows = slice(first_query, first_query + abs_block.shape[-2])
-        keys = slice(first_key, first_key + abs_block.shape[-1])
-        r.token_sums[pos, :, keys] += abs_block.sum(-2)
+        rows = slice(first_query, first_query + base_sums.row.shape[-1])
+        keys = slice(first_key, first_key + base_sums.col.shape[-1])
+        assert base_sums.col_abs is not None  # add() sums |·| for a base that |·| follows
+        r.token_sums[pos, :, keys] += base_sums.col_abs
         r.first[pos, :, rows] = b.first[pos, :, rows].abs()
-        r.row_sum[pos, :, rows] = abs_block.sum(-1)
+        r.row_sum[pos, :, rows] = base_sums.rest_total + base_sums.first
         self._follow(r, b, pos, rows, torch.abs)
 
     def add_rank_one(
@@ -305,21 +351,41 @@ class ReductionAccumulator:
         r.row_sum[pos, :, rows] = qf[None, :] * (kf @ v.T)
 
 
-def top_indices(a: Float[Tensor, "*lead t"], k: int, chunk: int = 32) -> Tensor:
-    """Indices of the ``k`` largest entries of each row of ``a``, largest first.
+def chunked(num_keys: int, k: int, chunk: int = CHUNK) -> bool:
+    """Whether :func:`top_indices` searches rows of ``num_keys`` keys by chunks."""
+    return num_keys >= 4 * k * chunk
 
-    For long rows, the rows are cut into chunks of ``chunk`` keys and only the ``k`` chunks
-    with the largest maxima are searched: every one of the k largest entries lies in one
-    of them (a chunk outside them has k chunks above its maximum, each holding an entry
-    larger than any of its own). One fast max pass replaces most of a full ``topk``.
+
+def top_indices(
+    a: Float[Tensor, "*lead t"], k: int, chunk: int = CHUNK, maxima: Tensor | None = None
+) -> Tensor:
+    """Indices of the ``k`` largest entries of each row of ``a`` (≥ 0), largest first.
+
+    For long rows (:func:`chunked`), the rows are cut into chunks of ``chunk`` keys (the
+    last may be shorter) and only the ``k`` chunks with the largest maxima are searched:
+    every one of the k largest entries lies in one of them (a chunk outside them has k
+    chunks above its maximum, each holding an entry larger than any of its own). One fast
+    max pass (or none, given the chunks' ``maxima``, :func:`~.kernels.chunk_maxima`)
+    replaces most of a full ``topk``.
     """
     t = a.shape[-1]
-    if t < 4 * k * chunk or t % chunk:
+    if not chunked(t, k, chunk):
         return torch.topk(a, k, dim=-1).indices
-    lead = a.shape[:-1]
-    blocks = a.reshape(*lead, t // chunk, chunk)
-    best = torch.topk(blocks.amax(-1), k, dim=-1).indices  # (…, k) chunk numbers
-    cols = (best[..., None] * chunk + torch.arange(chunk, device=a.device)).flatten(-2)
-    candidates = a.gather(-1, cols)  # (…, k · chunk)
+    if maxima is None:
+        maxima = chunk_maxima(a, chunk)
+    cols, inside = chunk_candidates(maxima, k, t, chunk)
+    candidates = a.gather(-1, cols).masked_fill_(~inside, -1.0)  # (…, k · chunk), a ≥ 0
     pick = torch.topk(candidates, k, dim=-1).indices
     return cols.gather(-1, pick)
+
+
+def chunk_candidates(
+    maxima: Tensor, k: int, num_keys: int, chunk: int = CHUNK
+) -> tuple[Tensor, Tensor]:
+    """The keys of the ``k`` chunks with the largest maxima, ``(…, k · chunk)``, and
+    whether each is a key (the last chunk may be shorter; its missing keys are clamped to
+    the last key and marked False)."""
+    best = torch.topk(maxima, k, dim=-1).indices  # (…, k) chunk numbers
+    cols = (best[..., None] * chunk + torch.arange(chunk, device=maxima.device)).flatten(-2)
+    inside = cols < num_keys
+    return cols.clamp_max(num_keys - 1), inside

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from ..capture import DEFAULT_BLOCK_BYTES
-from ..defaults import DEFAULT_TOP_K
+from ..defaults import DEFAULT_TOP_K, KERNELS
 
 
 @dataclass
@@ -31,6 +31,11 @@ class TraceOptions:
             the traced ones see bit for bit the activations of an all-eager forward
             (default: the model's sdpa kernel, faster; activations then differ from eager's
             by float rounding, ~1e-7 relative in float32).
+        kernels: how blocks are reduced (token sums, entropies, top-k search): ``"torch"``
+            (plain), ``"compiled"`` (fused by ``torch.compile``) or ``"auto"`` (the one
+            measured faster on the device: plain torch on CPUs, where compiling measured
+            slower, and on GPUs until measured there). Both give the same reductions to
+            float rounding.
     """
 
     measures: str | Sequence[str] = "all"
@@ -44,6 +49,7 @@ class TraceOptions:
     top_k: int = DEFAULT_TOP_K
     memory_limit: int | None = None
     exact_inputs: bool = False
+    kernels: str = "auto"
 
     def as_kwargs(self) -> dict[str, Any]:
         return asdict(self)
@@ -63,4 +69,7 @@ class TraceOptions:
                 f"trace() got unknown option {unknown[0]!r}{hint}; its options are "
                 f"{', '.join(names)}, out and progress"
             )
-        return replace(options or cls(), **dict(overrides or {}))
+        opts = replace(options or cls(), **dict(overrides or {}))
+        if opts.kernels not in KERNELS:
+            raise ValueError(f"kernels={opts.kernels!r}: choose one of {', '.join(KERNELS)}")
+        return opts

@@ -17,8 +17,16 @@ import torch
 from torch import Tensor
 
 from ..capture import LayerBlock, LayerCall
-from ..measures.reductions import ReductionAccumulator, follows
-from ..measures.registry import AbsoluteOf, RankOne, RowScaled, get_measure
+from ..measures.kernels import BlockSums, compiled_measure_sums, deriver
+from ..measures.layer import Factors
+from ..measures.reductions import (
+    ReductionAccumulator,
+    chunk_candidates,
+    chunked,
+    follows,
+    top_indices,
+)
+from ..measures.registry import AbsoluteOf, RankOne, RowScaled, get_measure, stored_measures
 from .storage import MapStore, is_causal
 
 
@@ -111,8 +119,10 @@ class TraceRecorder:
         block; a rank-one measure needs no block at all (see ReductionAccumulator)."""
         assert self.reducer is not None
         red, q0 = self.reducer, rows.start
+        if red.kernels.compiled and self._reduce_fused(lt, pos, rows, computed, k0):
+            return
         blocks: dict[str, Tensor] = {}  # each computed measure's block
-        magnitudes: dict[str, Tensor] = {}  # and its |block|, as add() returns it
+        sums: dict[str, BlockSums | None] = {}  # and its sums, as add() returns them
         later = []
         for name in self.measures:
             algebra = get_measure(name).algebra
@@ -125,7 +135,7 @@ class TraceRecorder:
                 w = computed.get(name)
                 if w is None:
                     w = get_measure(name).compute(lt)[0]
-                magnitudes[name] = red.add(name, pos, q0, w, k0)
+                sums[name] = red.add(name, pos, q0, w, k0)
                 blocks[name] = w
         for name, algebra in later:
             assert isinstance(algebra, RowScaled | AbsoluteOf)
@@ -133,7 +143,83 @@ class TraceRecorder:
                 scale = algebra.scale(lt)[0]
                 red.add_row_scaled(name, algebra.base, pos, q0, blocks[algebra.base], scale, k0)
             else:
-                red.add_abs_of(name, algebra.base, pos, q0, magnitudes[algebra.base], k0)
+                base_sums = sums[algebra.base]
+                assert base_sums is not None  # follows() pairs weights only
+                red.add_abs_of(name, algebra.base, pos, q0, base_sums, k0)
+
+    def _reduce_fused(
+        self, lt: Any, pos: int, rows: slice, computed: dict[str, Tensor], k0: int
+    ) -> bool:
+        """Every measure's sums from the stored maps' blocks in one compiled pass
+        (:func:`~..measures.kernels.fused_measure_sums`); the top keys from the chunks'
+        maxima, the candidates' values read by the same recipes. False (the caller then
+        reduces measure by measure) when the compiled pass fails."""
+        red = self.reducer
+        assert red is not None
+        names = [n for n in self.measures if not isinstance(get_measure(n).algebra, RankOne)]
+        if not names:
+            return False
+        basis = self.stored or self._basis(names)
+        dtype = red.results[names[0]].token_sums.dtype
+        blocks = [
+            (computed[b] if b in computed else get_measure(b).compute(lt)[0]).to(dtype)
+            for b in basis
+        ]
+        norms = (lt.value_norm[0][:, None, :], lt.output_norm[0][None, :, None], lt.valid[0][None])
+        try:
+            out = list(compiled_measure_sums(names, basis)(*blocks, *norms))
+        except Exception as err:  # any backend failure: the plain path, said once
+            red.kernels.failed(err)
+            return False
+        factors = Factors(dict(zip(basis, blocks, strict=True)), *norms)
+        for name in names:
+            measure = get_measure(name)
+            if not measure.is_weight:
+                col, row, first = out[:3]
+                del out[:3]
+                red.fold_other(name, pos, rows.start, col, row, first, k0)
+                continue
+            sums = BlockSums(*out[:8])
+            del out[:8]
+            k = red.top_slots(name, sums.col.shape[-1])
+            top = _top(name, basis, factors, sums, k) if k else None
+            red.fold(name, pos, rows.start, sums, top, k0)
+        for name in self.measures:
+            algebra = get_measure(name).algebra
+            if isinstance(algebra, RankOne):
+                key_f, query_f = algebra.key_factor(lt)[0], algebra.query_factor(lt)[0]
+                red.add_rank_one(name, pos, rows.start, key_f, query_f, lt.valid[0], k0)
+        return True
+
+    def _basis(self, names: list[str]) -> list[str]:
+        if not hasattr(self, "_basis_of"):
+            self._basis_of = stored_measures(names, self.dtype)
+        return self._basis_of
+
+
+def _top(name: str, basis: list[str], f: Factors, sums: BlockSums, k: int) -> tuple[Tensor, Tensor]:
+    """The ``k`` top keys of a measure read from the factors ``f`` by its recipe: among the
+    ``k`` chunks of largest maximum (the maxima came with the sums), the measure computed
+    on those chunks' keys only; rows too short for chunks are computed whole."""
+    derive = deriver(name, basis)
+    signed = get_measure(name).signed
+    t = sums.col.shape[-1]
+    if not chunked(t, k) or sums.maxima is None:
+        w = derive(f)
+        idx = top_indices(w.abs() if signed else w, k)
+        return idx, w.gather(-1, idx)
+    cols, inside = chunk_candidates(sums.maxima, k, t)
+    h, i = cols.shape[:2]
+    gathered = Factors(
+        maps={s: m.gather(-1, cols) for s, m in f.maps.items()},
+        value_norm=f.value_norm.expand(h, i, t).gather(-1, cols),
+        output_norm=f.output_norm,
+        valid=f.valid.expand(h, i, t).gather(-1, cols),
+    )
+    w = derive(gathered)
+    a = (w.abs() if signed else w).masked_fill(~inside, -1.0)
+    pick = torch.topk(a, k, dim=-1).indices
+    return cols.gather(-1, pick), w.gather(-1, pick)
 
 
 def _key_range(valid: Tensor, layer: int, rows: slice) -> tuple[Tensor, Tensor]:

@@ -24,6 +24,7 @@ from torch import Tensor
 from ..capture import capturing, check_all_layers_seen, rows_per_block
 from ..inputs import InputError, encode, resolve_layers, token_strings
 from ..loading import LoadedModel
+from ..measures.kernels import Kernels
 from ..measures.reductions import ReductionAccumulator
 from ..measures.registry import resolve_measures, stored_measures
 from .folder import staged
@@ -143,8 +144,9 @@ def trace(
         reducer = None
         if not maps or stage is not None:
             reducer = ReductionAccumulator(
-                names, len(layer_list), heads, t, top_k, dtype, model.device
-            )
+                names, len(layer_list), heads, t, top_k, dtype, model.device,
+                kernels=Kernels(opts.kernels, t, model.device),
+            )  # fmt: skip
         recorder = TraceRecorder(names, layer_list, t, dtype, store=store, reducer=reducer)
         recorder.eager_everywhere = opts.exact_inputs
         _run(model, ids, recorder, block_bytes, progress)

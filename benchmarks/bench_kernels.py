@@ -1,0 +1,130 @@
+"""Benchmark: plain torch against compiled (torch.compile) block reductions in a trace.
+
+``python benchmarks/bench_kernels.py [--model smollm2] [--lengths 2048,4096] [--layers 0,15,29]
+[--measures all] [--repeats 3] [--out FILE.json]``
+
+For each length T, in one process and on the same input (FineWeb-Edu documents joined, cut
+to T tokens), it times the median of ``--repeats`` interleaved rounds (one call of each
+variant per round) of:
+
+* ``sdpa``: the model's own forward (the floor);
+* ``torch``: ``cw.trace(..., maps=False, layers=LAYERS, kernels="torch")``;
+* ``compiled``: the same with ``kernels="compiled"`` (compiled before the timed rounds;
+  the first compile's seconds are reported apart as ``compile_s``).
+
+The traced layers' extra cost is ``(trace − sdpa) / len(LAYERS)`` per layer, reported
+beside one sdpa layer's share (``sdpa / num_layers``) and as the whole-model ratio it
+implies, ``(sdpa + num_layers · extra) / sdpa``: what tracing every layer would cost
+against the model's forward. The two kernels' reductions are compared as well (largest
+absolute difference of the token sums; top keys equal or not). Run with
+``OMP_NUM_THREADS=1`` and nothing else on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+from _timing import data_dir, interleaved_medians  # benchmarks/_timing.py, beside this script
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None)
+    p.add_argument("--lengths", default="2048,4096")
+    p.add_argument("--layers", default="0,15,29", help="traced layers (default 0,15,29)")
+    p.add_argument("--measures", default="all")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--note", default="", help="what else ran on the machine, for the record")
+    p.add_argument("--out", type=Path, default=None, help="write the results (JSON) here")
+    args = p.parse_args()
+    data_dir()  # $CW_DATA_DIR, checked
+
+    import torch
+
+    import contribution_weights as cw
+
+    model = cw.load_model(args.model)
+    layers = [int(x) for x in args.layers.split(",")]
+    text = "\n\n".join(cw.data.load_texts("fineweb-edu", 60))
+    all_ids = torch.tensor(model.tokenizer(text)["input_ids"])
+    rows = []
+    for t in [int(x) for x in args.lengths.split(",")]:
+        if all_ids.numel() < t:
+            raise SystemExit(f"the joined documents hold {all_ids.numel()} tokens, not {t}")
+        ids = all_ids[:t]
+
+        def sdpa(ids: Any = ids) -> None:
+            with torch.no_grad():
+                model.model(input_ids=ids[None])
+
+        def traced(kernels: str, ids: Any = ids) -> Any:
+            return cw.trace(
+                model, ids, maps=False, layers=layers, measures=args.measures,
+                kernels=kernels, progress=False,
+            )  # fmt: skip
+
+        start = time.perf_counter()
+        compiled = traced("compiled")
+        compile_s = time.perf_counter() - start
+        plain = traced("torch")
+        times = interleaved_medians(
+            {
+                "sdpa": sdpa,
+                "torch": lambda: traced("torch"),
+                "compiled": lambda: traced("compiled"),
+            },
+            args.repeats,
+        )
+        n = model.num_layers
+        row: dict[str, Any] = {"tokens": t, **{f"{k}_s": round(v, 3) for k, v in times.items()}}
+        row["compile_s"] = round(compile_s, 1)
+        row["sdpa_layer_s"] = round(times["sdpa"] / n, 4)
+        for kernels in ("torch", "compiled"):
+            extra = (times[kernels] - times["sdpa"]) / len(layers)
+            row[f"{kernels}_extra_per_layer_s"] = round(extra, 4)
+            row[f"{kernels}_all_layers_over_sdpa"] = round(
+                (times["sdpa"] + n * extra) / times["sdpa"], 2
+            )
+        row["extra_torch_over_compiled"] = round(
+            row["torch_extra_per_layer_s"] / max(row["compiled_extra_per_layer_s"], 1e-9), 2
+        )
+        diffs, same_top = [], True
+        for name, r in plain.reductions.items():
+            c = compiled.reductions[name]
+            diffs.append(
+                float(
+                    (r.token_sums - c.token_sums).abs().max()
+                    / r.token_sums.abs().max().clamp_min(1e-30)
+                )
+            )
+            if r.top_keys is not None and c.top_keys is not None:
+                same_top &= bool(torch.equal(r.top_keys, c.top_keys))
+        row["token_sums_max_rel_diff"] = max(diffs)
+        row["top_keys_equal"] = same_top
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    result = {
+        "model": model.name,
+        "layers": layers,
+        "measures": args.measures,
+        "threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "torch": torch.__version__,
+        "note": args.note,
+        "rows": rows,
+    }
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,238 @@
+"""The sums a trace folds each block of a measure into, plain or compiled.
+
+A traced block of a weight measure ``w`` ``(H, I, K)`` (heads, queries, keys) is reduced
+to a handful of vectors (:class:`BlockSums`): column sums (the token scores' numerators),
+row sums, Σ|w| and Σ|w| ln|w| over the keys after the first (the entropies), |w_i0|, and
+the maxima of chunks of keys (the top-k search). Written as separate torch calls each is
+one pass over the block; at long context, where a block holds ``H × I × T`` numbers,
+these passes are most of a traced layer's cost beyond its matrix products.
+
+Two implementations of one contract:
+
+* :func:`block_sums`: plain torch, one call per sum (the reference, and the default);
+* :func:`fused_block_sums` (one measure's block) and :func:`fused_measure_sums` (every
+  traced measure at once, read from the stored factors α, p, č by the registry's recipes,
+  so no derived block is built): the same sums written for ``torch.compile``, whose
+  inductor backend fuses them into loops over the block: C++ on CPUs, Triton on GPUs.
+  Compiled once per process for any block shape (dynamic shapes; torch caches the
+  generated code on disk).
+
+:class:`Kernels` picks one (``"torch"``, ``"compiled"`` or ``"auto"``) and falls back to
+the plain path, with a warning, when compilation fails (no C++ compiler, say). Tests
+compare the two (tests/test_kernels.py). benchmarks/bench_kernels.py measured the choice:
+on CPUs the compiled loops were slower (inductor's element-wise log2, which the entropies
+need once per element and measure, runs slower than torch's vectorised one), so ``"auto"``
+does not compile there; on GPUs the choice waits for benchmarks/bench_gpu.py's
+``no-maps-compiled`` row.
+"""
+
+# ruff: noqa: F722  (jaxtyping shape strings are not forward references)
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from ..defaults import KERNELS  # light: the CLI shows the choices before torch
+from .layer import Factors
+from .registry import get_measure
+
+#: chunks of keys whose maxima narrow the top-k search (see :func:`top_indices`)
+CHUNK = 32
+#: the devices where ``kernels="auto"`` compiles, by measurement: none so far. On CPUs the
+#: compiled loops measured slower than plain torch (benchmarks/bench_kernels.py,
+#: docs/long-contexts.md); on GPUs they are unmeasured (benchmarks/bench_gpu.py's
+#: ``no-maps-compiled`` row decides, and "cuda" joins this set if it wins there)
+COMPILE_ON: frozenset[str] = frozenset()
+#: and from this many tokens on (below, compiling costs more than it could save: a first
+#: compile takes 10-60 s)
+COMPILE_FROM_TOKENS = 2048
+
+
+class BlockSums(NamedTuple):
+    """The sums of one block ``w`` ``(H, I, K)``; ``a = |w|`` (``w`` for measures ≥ 0)."""
+
+    col: Tensor  # (H, K) Σ_i w_ij
+    col_abs: Tensor | None  # (H, K) Σ_i a_ij (plain path: only when asked for)
+    row: Tensor  # (H, I) Σ_j w_ij
+    rest_total: Tensor  # (H, I) Σ_{j ≥ 1} a_ij (keys after the block's first)
+    rest_log: Tensor  # (H, I) Σ_{j ≥ 1} a_ij ln a_ij
+    first: Tensor  # (H, I) a_i0 (the block's first key)
+    maxima: Tensor | None  # (H, I, ⌈K / CHUNK⌉) max of a over each chunk of keys, or None
+    first_value: Tensor  # (H, I) w_i0, signed
+
+
+def chunk_maxima(a: Float[Tensor, "*lead k"], chunk: int = CHUNK) -> Tensor:
+    """``(…, ⌈K / chunk⌉)``: the maximum of each run of ``chunk`` keys (the last may be
+    shorter)."""
+    k = a.shape[-1]
+    whole = k // chunk * chunk
+    maxima = a[..., :whole].unflatten(-1, (whole // chunk, chunk)).amax(-1)
+    if whole < k:
+        maxima = torch.cat([maxima, a[..., whole:].amax(-1, keepdim=True)], dim=-1)
+    return maxima
+
+
+def block_sums(
+    w: Float[Tensor, "h i k"], *, signed: bool = True, maxima: bool = True, col_abs: bool = True
+) -> BlockSums:
+    """The reference: each sum one torch call. ``signed=False`` promises ``w ≥ 0`` (then
+    ``a`` is ``w`` itself and ``col_abs`` is ``col``); ``maxima=False`` skips the chunk
+    maxima, ``col_abs=False`` the column sums of ``a`` (only ``|·|`` of a measure needs
+    them: ihc of the contribution)."""
+    from .aggregates import sum_a_log_a
+
+    a = w.abs() if signed else w
+    rest = a[..., 1:]
+    col, rest_total, first = w.sum(-2), rest.sum(-1), a[..., 0]
+    return BlockSums(
+        col=col,
+        col_abs=(a.sum(-2) if signed else col) if col_abs else None,
+        row=w.sum(-1) if signed else rest_total + first,
+        rest_total=rest_total,
+        rest_log=sum_a_log_a(rest),
+        first=first,
+        maxima=chunk_maxima(a) if maxima else None,
+        first_value=w[..., 0],
+    )
+
+
+def fused_block_sums(w: Float[Tensor, "h i k"]) -> tuple[Tensor, ...]:
+    """Every field of :class:`BlockSums` (maxima included) as plain tensor maths that
+    inductor fuses: the key-wise sums and maxima share one loop, the query-wise sums
+    another. Returns a tuple in :class:`BlockSums` order."""
+    a = w.abs()
+    rest = a[..., 1:]
+    ln2 = math.log(2.0)
+    rest_log = (rest * rest.clamp_min(torch.finfo(w.dtype).tiny).log2()).sum(-1) * ln2
+    return (
+        w.sum(-2),
+        a.sum(-2),
+        w.sum(-1),
+        rest.sum(-1),
+        rest_log,
+        a[..., 0],
+        chunk_maxima(a),
+        w[..., 0],
+    )
+
+
+class Kernels:
+    """Which implementation reduces blocks: ``"torch"``, ``"compiled"`` or ``"auto"``
+    (compiled on the devices of :data:`COMPILE_ON` from :data:`COMPILE_FROM_TOKENS` tokens
+    on, else plain). A compile that fails warns once and leaves the plain path in use."""
+
+    def __init__(
+        self, choice: str = "torch", num_tokens: int = 0, device: torch.device | str = "cpu"
+    ) -> None:
+        if choice not in KERNELS:
+            raise ValueError(f"kernels={choice!r}: choose one of {', '.join(KERNELS)}")
+        self.choice = choice
+        self.compiled = choice == "compiled" or (
+            choice == "auto"
+            and torch.device(device).type in COMPILE_ON
+            and num_tokens >= COMPILE_FROM_TOKENS
+        )
+        self._fn: Callable[[Tensor], tuple[Tensor, ...]] | None = None
+
+    def __repr__(self) -> str:
+        return f"Kernels({self.choice!r}, compiled={self.compiled})"
+
+    def sums(self, w: Tensor, *, signed: bool, maxima: bool, col_abs: bool) -> BlockSums:
+        if self.compiled:
+            try:
+                return BlockSums(*self._compiled()(w))
+            except Exception as err:  # any backend failure: fall back
+                self.failed(err)
+        return block_sums(w, signed=signed, maxima=maxima, col_abs=col_abs)
+
+    def failed(self, err: Exception) -> None:
+        """A compiled kernel failed: warn once and use the plain path from now on."""
+        warnings.warn(
+            f"the compiled reductions failed ({type(err).__name__}: {err}); using the plain "
+            "torch path (kernels='torch'), which gives the same results more slowly",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        self.compiled = False
+
+    def _compiled(self) -> Callable[[Tensor], tuple[Tensor, ...]]:
+        if self._fn is None:
+            self._fn = compiled_block_sums()
+        return self._fn
+
+
+_COMPILED: Callable[[Tensor], tuple[Tensor, ...]] | None = None
+
+
+def compiled_block_sums() -> Callable[[Tensor], tuple[Tensor, ...]]:
+    """:func:`fused_block_sums` under ``torch.compile`` (dynamic shapes), made once per
+    process."""
+    global _COMPILED
+    if _COMPILED is None:
+        _COMPILED = torch.compile(fused_block_sums, dynamic=True, fullgraph=True)
+    return _COMPILED
+
+
+# ---- every measure of a trace from its stored factors, in one compiled graph -------------
+def fused_measure_sums(
+    measures: Sequence[str], stored: Sequence[str]
+) -> Callable[..., tuple[Tensor, ...]]:
+    """A function of the stored maps' blocks and the per-layer norms that returns the sums
+    of every measure in ``measures`` (each stored, or read from the stored maps by its
+    registry recipe, :attr:`~.registry.Measure.recipes`), without building the derived
+    blocks: under ``torch.compile`` the recipes' arithmetic runs inside the loops that
+    sum, so a block of α, p and č is read once along the keys and once along the queries
+    whatever the number of measures.
+
+    Arguments of the returned function: the ``stored`` blocks ``(H, I, K)`` in that order,
+    then ``value_norm`` ``(H, 1, K)``, ``output_norm`` ``(1, I, 1)`` and ``valid``
+    ``(1, I, K)`` (as :class:`~.layer.Factors` holds them). It returns, per measure in
+    order, the 8 :class:`BlockSums` fields for a weight, or (Σ_i w, Σ_j w, w_i0) for a
+    measure that is not one.
+    """
+    derive = [deriver(name, stored) for name in measures]
+    weights = [get_measure(name).is_weight for name in measures]
+    names = tuple(stored)
+
+    def sums(*tensors: Tensor) -> tuple[Tensor, ...]:
+        *blocks, value_norm, output_norm, valid = tensors
+        f = Factors(dict(zip(names, blocks, strict=True)), value_norm, output_norm, valid)
+        out: list[Tensor] = []
+        for fn, weight in zip(derive, weights, strict=True):
+            w = fn(f)
+            out.extend(fused_block_sums(w) if weight else (w.sum(-2), w.sum(-1), w[..., 0]))
+        return tuple(out)
+
+    return sums
+
+
+def deriver(name: str, stored: Sequence[str]) -> Callable[[Factors], Tensor]:
+    """How ``name`` is read from the ``stored`` maps: the map itself, or its recipe."""
+    if name in stored:
+        return lambda f: f.maps[name]
+    recipe = get_measure(name).recipe(stored)
+    if recipe is None:
+        raise ValueError(f"measure {name!r} cannot be read from the maps {', '.join(stored)}")
+    return recipe.derive
+
+
+_FUSED: dict[tuple[tuple[str, ...], tuple[str, ...]], Callable[..., tuple[Tensor, ...]]] = {}
+
+
+def compiled_measure_sums(
+    measures: Sequence[str], stored: Sequence[str]
+) -> Callable[..., tuple[Tensor, ...]]:
+    """:func:`fused_measure_sums` under ``torch.compile``, made once per process and
+    (measures, stored maps)."""
+    key = (tuple(measures), tuple(stored))
+    if key not in _FUSED:
+        plain = fused_measure_sums(*key)
+        _FUSED[key] = torch.compile(plain, dynamic=True, fullgraph=True)
+    return _FUSED[key]
