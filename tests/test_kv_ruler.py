@@ -287,6 +287,67 @@ def test_kv_eval_runs_a_ruler_task_in_both_settings_and_resumes(
     pd.testing.assert_frame_equal(loaded.summary, summary, check_dtype=False)
 
 
+def test_caches_generated_together_give_each_its_own_generation(texts: list[str]) -> None:
+    """ruler_scores stacks the compressed caches of one prefill as batch rows: the text of
+    each row is that of its own generation (float64, so no rounding can flip a greedy
+    choice), a row that ends early is cut at its end-of-sequence token while the others go
+    on, and the caches are left as they were. A random tiny model writes the same text
+    from most caches, so one cache is scaled until it writes another."""
+    from contribution_weights.kv import compress, prefill
+    from contribution_weights.kv.cache import stack_caches
+    from contribution_weights.kv.ruler import ruler_score, ruler_scores
+
+    model = tiny_model("llama", dtype=torch.float64)
+    model.tokenizer = Chars()
+    item = ruler_item("niah_single", 0, 512, Chars(), texts)
+    pre = prefill(model, item.prefill_ids("query_agnostic"), 8, methods=["h2o", "snapkv"])
+
+    def fresh() -> list[Any]:  # generating extends a cache: each run gets new copies
+        caches = [compress(pre, m, 0.5) for m in ("h2o", "snapkv", "h2o")]
+        for layer in caches[2].cache.layers:
+            layer.keys, layer.values = layer.keys * 40, layer.values * 40
+        return caches
+
+    first = [ruler_score(model, c, item, "query_agnostic")["output"] for c in fresh()]
+    assert first[0] != first[2], first  # rows the test can tell apart
+    # the last row's first character ends a sequence: that row stops at once, the others
+    # (which never write it) run to the token limit
+    model.model.generation_config.eos_token_id = Chars()(first[2][0])["input_ids"][0]
+    alone = [ruler_score(model, c, item, "query_agnostic") for c in fresh()]
+    assert alone[2]["output"] == first[2][0] and alone[0]["output"] == first[0]
+    caches = fresh()
+    assert ruler_scores(model, caches, item, "query_agnostic") == alone
+    for got, want in zip(caches, fresh(), strict=True):  # the stacked rows were copies
+        for a, b in zip(got.cache.layers, want.cache.layers, strict=True):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    with pytest.raises(ValueError, match="stack only when"):
+        stack_caches([caches[0], compress(pre, "h2o", 0.25)])
+
+
+def test_ruler_rows_do_not_depend_on_how_many_generate_together(
+    texts: list[str], monkeypatch: Any
+) -> None:
+    from contribution_weights.experiments import kv_eval as kv_module
+    from contribution_weights.experiments.kv_eval import KVEvalOptions, ruler_rows
+
+    model = tiny_model("llama", dtype=torch.float64)
+    model.tokenizer = Chars()
+    item = ruler_item("niah_single", 0, 512, Chars(), texts)
+    opts = KVEvalOptions(
+        task="ruler", ruler_tasks="niah_single", methods="h2o,snapkv,tova,adakv_snapkv",
+        ratios=[0, 0.25, 0.5], context_tokens=512, n=1, window=8,
+    )  # fmt: skip
+    rows = {}
+    for batch in (1, 2, 12):
+        monkeypatch.setattr(kv_module, "GENERATE_BATCH", batch)
+        rows[batch] = [
+            {k: v for k, v in r.items() if k not in ("prefill_s", "compress_s")}
+            for r in ruler_rows(model, item, opts)
+        ]
+    assert rows[1] == rows[2] == rows[12]
+    assert [(r["method"], r["ratio"]) for r in rows[12]] == opts.configurations()
+
+
 def test_ruler_options_are_checked(tmp_path: Any, capsys: Any) -> None:
     from contribution_weights.cli import main
     from contribution_weights.experiments.options import KVEvalOptions

@@ -30,8 +30,9 @@ import torch
 
 from ..defaults import KV_RATIOS, KV_TASKS, RULER_TASKS  # light: the CLI shows them first
 from ..kv import CompressedCache, compress, prefill
+from ..kv.cache import stackable
 from ..kv.evaluate import lm_item, lm_items, lm_score, passkey_items, passkey_score
-from ..kv.ruler import RulerItem, ruler_items, ruler_score
+from ..kv.ruler import RulerItem, ruler_items, ruler_scores
 from ..loading import LoadedModel
 from ..runs import fingerprint
 from .options import KVEvalOptions
@@ -249,36 +250,63 @@ def item_rows(model: LoadedModel, item: Any, opts: KVEvalOptions) -> list[dict[s
     return rows
 
 
+#: (method, ratio) configurations of one ruler item generated together, as the rows of one
+#: batch (same ratio, equal counts per head): each generated token then reads the model's
+#: weights once for all of them. Memory: this many compressed caches at once.
+GENERATE_BATCH = 12
+
+
 def ruler_rows(model: LoadedModel, item: RulerItem, opts: KVEvalOptions) -> list[dict[str, Any]]:
     """Per setting one prefill (the context, or the context and the question), then per
-    (method, ratio) a compressed copy, greedy generation and RULER's score."""
-    rows = []
-    for setting in opts.settings:
-        ids = item.prefill_ids(setting)
+    (method, ratio) a compressed copy, greedy generation and RULER's score. Configurations
+    whose caches stack (:func:`~..kv.cache.stackable`: the same ratio, no head-adaptive
+    padding) generate together, up to :data:`GENERATE_BATCH` at a time; rows come out in
+    the order of :meth:`KVEvalOptions.configurations`."""
+    return [row for setting in opts.settings for row in _setting_rows(model, item, opts, setting)]
+
+
+def _setting_rows(
+    model: LoadedModel, item: RulerItem, opts: KVEvalOptions, setting: str
+) -> list[dict[str, Any]]:
+    ids = item.prefill_ids(setting)
+    started = time.perf_counter()
+    pre = prefill(model, ids, opts.window, seed=opts.seed, methods=opts.methods)
+    prefill_s = time.perf_counter() - started
+    configs = opts.configurations()
+    done: dict[int, dict[str, Any]] = {}
+    pending: dict[Any, list[tuple[int, CompressedCache, float]]] = {}
+
+    def flush(key: Any) -> None:
+        group = pending.pop(key)
+        scores = ruler_scores(model, [small for _, small, _ in group], item, setting)
+        for (k, small, spent), score in zip(group, scores, strict=True):
+            method, ratio = configs[k]
+            done[k] = {
+                "setting": setting,
+                "method": method,
+                "ratio": ratio,
+                "depth": item.meta.get("depth", float("nan")),
+                "accuracy": score["accuracy"],
+                "answers": "|".join(item.answers),
+                "output": score["output"].replace("\n", "\\n"),  # one CSV line
+                "first_token_kept": first_token_kept(small.kept),
+                "prefill_tokens": int(ids.shape[1]),
+                "prefill_s": round(prefill_s, 3),
+                **cost(small, spent),
+            }
+
+    for k, (method, ratio) in enumerate(configs):
         started = time.perf_counter()
-        pre = prefill(model, ids, opts.window, seed=opts.seed, methods=opts.methods)
-        prefill_s = time.perf_counter() - started
-        for method, ratio in opts.configurations():
-            started = time.perf_counter()
-            small = compress(pre, "h2o" if method == NO_COMPRESSION else method, ratio)
-            spent = time.perf_counter() - started
-            scores = ruler_score(model, small, item, setting)
-            rows.append(
-                {
-                    "setting": setting,
-                    "method": method,
-                    "ratio": ratio,
-                    "depth": item.meta.get("depth", float("nan")),
-                    "accuracy": scores["accuracy"],
-                    "answers": "|".join(item.answers),
-                    "output": scores["output"].replace("\n", "\\n"),  # one CSV line
-                    "first_token_kept": first_token_kept(small.kept),
-                    "prefill_tokens": int(ids.shape[1]),
-                    "prefill_s": round(prefill_s, 3),
-                    **cost(small, spent),
-                }
-            )
-    return rows
+        small = compress(pre, "h2o" if method == NO_COMPRESSION else method, ratio)
+        spent = time.perf_counter() - started
+        key = stackable(small)
+        key = ("alone", k) if key is None else key
+        pending.setdefault(key, []).append((k, small, spent))
+        if len(pending[key]) >= GENERATE_BATCH:
+            flush(key)
+    for key in list(pending):
+        flush(key)
+    return [done[k] for k in range(len(configs))]
 
 
 class KVEval(Experiment["KVEvalResult"]):

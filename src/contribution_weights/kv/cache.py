@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,6 +143,47 @@ class CompressedCache:
         if not self.kept:
             return self.length
         return int(self.kept[self._first_kept_layer()].shape[-1])
+
+
+def stackable(cache: CompressedCache) -> tuple[Any, ...] | None:
+    """What compressed caches must share to be generated for in one batch
+    (:func:`stack_caches`): the prefill length and every layer's kept shape; None for a
+    cache with padded slots (a head-adaptive method), which generates alone."""
+    if cache.padded():
+        return None
+    return cache.length, tuple((i, tuple(k.shape)) for i, k in sorted(cache.kept.items()))
+
+
+def stack_caches(caches: Sequence[CompressedCache]) -> CompressedCache:
+    """One cache whose batch rows are ``caches`` (compressed from one prefill of one
+    sequence, each row its own method), so that one ``generate`` serves them all: each
+    step reads the model's weights once for every row. Rows do not see each other; a row's
+    tokens equal its own generation up to float rounding (the batched products may sum in
+    another order). The rows are copies: generating extends the stacked cache only. One
+    cache is returned as it is (any cache, padded slots included).
+    """
+    if not caches:
+        raise ValueError("no caches to stack")
+    if len(caches) == 1:
+        return caches[0]
+    key = stackable(caches[0])
+    if key is None or any(stackable(c) != key for c in caches):
+        raise ValueError(
+            "caches stack only when they come from one prefill and keep the same number of "
+            "entries in every layer, with no padded slots: "
+            + ", ".join(f"{c.method} at {c.ratio}" for c in caches)
+        )
+    first = caches[0]
+    cache = copy.copy(first.cache)
+    cache.layers = [copy.copy(layer) for layer in first.cache.layers]
+    for i, layer in enumerate(cache.layers):
+        rows = [c.cache.layers[i] for c in caches]
+        layer.keys = torch.cat([r.keys for r in rows])
+        layer.values = torch.cat([r.values for r in rows])
+    kept = {i: torch.cat([c.kept[i] for c in caches]) for i in first.kept}
+    method = "+".join(c.method for c in caches)
+    return CompressedCache(cache=cache, length=first.length, kept=kept, method=method,
+                           ratio=first.ratio)  # fmt: skip
 
 
 def kept_positions(scores: Tensor, ratio: float) -> Tensor:
