@@ -88,6 +88,29 @@ def test_one_pass_over_the_factors_equals_the_measure_by_measure_path(monkeypatc
     _assert_same(plain, fused)
 
 
+def test_a_zero_output_row_leaves_the_base_measures_top_keys_alone(monkeypatch):
+    """vw_on = vw / ‖o_i‖ shares vw's top keys. Where o_i = 0 a vw_on row is all zero while
+    vw's is not: the fused path must keep vw's keys there (not mark them empty), as the
+    plain path does. Here o_i is zeroed for the first query of every block."""
+    from contribution_weights.measures import layer as M
+
+    whole = M.LayerTensors.__dict__["output"].func
+
+    def first_row_zero(self):
+        out = whole(self).clone()
+        out[:, 0] = 0
+        return out
+
+    monkeypatch.setattr(M.LayerTensors, "output", property(first_row_zero))
+    monkeypatch.setattr(K, "_FUSED", {})
+    monkeypatch.setattr(
+        "contribution_weights.tracing.recorder.compiled_measure_sums", K.fused_measure_sums
+    )
+    plain, fused = _traces(measures="vw,vw_on,contribution,ihc")
+    _assert_same(plain, fused)
+    assert bool((plain.reductions["vw_on"].row_sum == 0).any())  # the zero rows are there
+
+
 def test_compiled_kernels_give_the_plain_reductions(tmp_path):
     """Really compiled (inductor), in a fresh interpreter: the tests' shape checks (the
     jaxtyping import hook) wrap the maths in functions that torch.compile cannot trace, so

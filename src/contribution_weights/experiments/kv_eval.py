@@ -252,7 +252,8 @@ def item_rows(model: LoadedModel, item: Any, opts: KVEvalOptions) -> list[dict[s
 
 #: (method, ratio) configurations of one ruler item generated together, as the rows of one
 #: batch (same ratio, equal counts per head): each generated token then reads the model's
-#: weights once for all of them. Memory: this many compressed caches at once.
+#: weights once for all of them. Memory: at most this many compressed caches are held (the
+#: largest group generates when they are that many), besides the prefill's cache.
 GENERATE_BATCH = 12
 
 
@@ -302,8 +303,10 @@ def _setting_rows(
         key = stackable(small)
         key = ("alone", k) if key is None else key
         pending.setdefault(key, []).append((k, small, spent))
-        if len(pending[key]) >= GENERATE_BATCH:
+        if key[0] == "alone" or len(pending[key]) >= GENERATE_BATCH:
             flush(key)
+        elif sum(map(len, pending.values())) >= GENERATE_BATCH:  # bound what is held
+            flush(max(pending, key=lambda g: len(pending[g])))
     for key in list(pending):
         flush(key)
     return [done[k] for k in range(len(configs))]

@@ -269,6 +269,14 @@ class ReductionAccumulator:
         r.top_keys[pos, :, rows, :k] = torch.where(beyond, -1, keys).to(r.top_keys.dtype)
         r.top_values[pos, :, rows, :k] = torch.where(beyond, 0, values)
 
+    def follow(
+        self, name: str, base: str, pos: int, rows: slice, values_of: Callable[[Tensor], Tensor]
+    ) -> None:
+        """Rows ``rows`` of ``name``'s entropies and top keys become ``base``'s, its top
+        values ``values_of(base's)``: for a measure that is a row scaling or ``|·|`` of
+        ``base`` (see :func:`follows`), whose sums were folded on their own."""
+        self._follow(self.results[name], self.results[base], pos, rows, values_of)
+
     @staticmethod
     def _follow(
         r: MeasureReductions,

@@ -10,6 +10,7 @@ vectors that derived measures are read from.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -166,12 +167,14 @@ class TraceRecorder:
             for b in basis
         ]
         norms = (lt.value_norm[0][:, None, :], lt.output_norm[0][None, :, None], lt.valid[0][None])
+        fused = compiled_measure_sums(names, basis)  # lazy: compiled on the first call
         try:
-            out = list(compiled_measure_sums(names, basis)(*blocks, *norms))
+            out = list(fused(*blocks, *norms))
         except Exception as err:  # any backend failure: the plain path, said once
             red.kernels.failed(err)
             return False
         factors = Factors(dict(zip(basis, blocks, strict=True)), *norms)
+        later = []
         for name in names:
             measure = get_measure(name)
             if not measure.is_weight:
@@ -181,9 +184,23 @@ class TraceRecorder:
                 continue
             sums = BlockSums(*out[:8])
             del out[:8]
+            if follows(name, self.measures) is not None:
+                later.append((name, sums))  # its top keys are its base's: after the base
+                continue
             k = red.top_slots(name, sums.col.shape[-1])
             top = _top(name, basis, factors, sums, k) if k else None
             red.fold(name, pos, rows.start, sums, top, k0)
+        for name, sums in later:
+            # as add_row_scaled / add_abs_of: the entropies and top keys are the base's (it
+            # shares its top-keys tensor), the top values follow from the base's
+            algebra = get_measure(name).algebra
+            assert isinstance(algebra, RowScaled | AbsoluteOf)
+            red.fold(name, pos, rows.start, sums, None, k0)
+            if isinstance(algebra, RowScaled):
+                scaled = _rows_scaled_by(algebra.scale(lt)[0].to(dtype))
+                red.follow(name, algebra.base, pos, rows, scaled)
+            else:
+                red.follow(name, algebra.base, pos, rows, torch.abs)
         for name in self.measures:
             algebra = get_measure(name).algebra
             if isinstance(algebra, RankOne):
@@ -195,6 +212,11 @@ class TraceRecorder:
         if not hasattr(self, "_basis_of"):
             self._basis_of = stored_measures(names, self.dtype)
         return self._basis_of
+
+
+def _rows_scaled_by(scale: Tensor) -> Callable[[Tensor], Tensor]:
+    """Top values ``(H, I, k)`` of a base measure → those of its row scaling by ``scale``."""
+    return lambda values: values * scale[:, None]
 
 
 def _top(name: str, basis: list[str], f: Factors, sums: BlockSums, k: int) -> tuple[Tensor, Tensor]:
