@@ -134,11 +134,18 @@ def test_compiled_kernels_give_the_plain_reductions(tmp_path):
 
 
 def test_a_failing_compile_warns_once_and_falls_back(monkeypatch):
-    def broken(*args, **kwargs):
-        raise RuntimeError("no C++ compiler")
+    """torch.compile is lazy: the compiled function fails when first called."""
 
-    monkeypatch.setattr("contribution_weights.tracing.recorder.compiled_measure_sums", broken)
-    monkeypatch.setattr(K, "compiled_block_sums", broken)
+    def fails_when_called(*args, **kwargs):
+        def call(*tensors):
+            raise RuntimeError("no C++ compiler")
+
+        return call
+
+    monkeypatch.setattr(
+        "contribution_weights.tracing.recorder.compiled_measure_sums", fails_when_called
+    )
+    monkeypatch.setattr(K, "compiled_block_sums", fails_when_called)
     with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler.*kernels='torch'") as seen:
         plain, fell_back = _traces(measures="attention,contribution")
     assert len([w for w in seen if issubclass(w.category, RuntimeWarning)]) == 1
