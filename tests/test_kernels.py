@@ -83,7 +83,6 @@ def test_one_pass_over_the_factors_equals_the_measure_by_measure_path(monkeypatc
     monkeypatch.setattr(
         "contribution_weights.tracing.recorder.compiled_measure_sums", K.fused_measure_sums
     )
-    monkeypatch.setattr(K.Kernels, "_compiled", lambda self: K.fused_block_sums)
     plain, fused = _traces(measures=measures)
     _assert_same(plain, fused)
 
@@ -145,7 +144,6 @@ def test_a_failing_compile_warns_once_and_falls_back(monkeypatch):
     monkeypatch.setattr(
         "contribution_weights.tracing.recorder.compiled_measure_sums", fails_when_called
     )
-    monkeypatch.setattr(K, "compiled_block_sums", fails_when_called)
     with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler.*kernels='torch'") as seen:
         plain, fell_back = _traces(measures="attention,contribution")
     assert len([w for w in seen if issubclass(w.category, RuntimeWarning)]) == 1

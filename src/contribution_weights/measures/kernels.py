@@ -10,15 +10,16 @@ these passes are most of a traced layer's cost beyond its matrix products.
 Two implementations of one contract:
 
 * :func:`block_sums`: plain torch, one call per sum (the reference, and the default);
-* :func:`fused_block_sums` (one measure's block) and :func:`fused_measure_sums` (every
-  traced measure at once, read from the stored factors α, p, č by the registry's recipes,
-  so no derived block is built): the same sums written for ``torch.compile``, whose
+* :func:`fused_measure_sums` (every traced measure at once, read from the stored factors
+  α, p, č by the registry's recipes, so no derived block is built; each measure's sums
+  are :func:`fused_block_sums`): the same sums written for ``torch.compile``, whose
   inductor backend fuses them into loops over the block: C++ on CPUs, Triton on GPUs.
   Compiled once per process for any block shape (dynamic shapes; torch caches the
   generated code on disk).
 
-:class:`Kernels` picks one (``"torch"``, ``"compiled"`` or ``"auto"``) and falls back to
-the plain path, with a warning, when compilation fails (no C++ compiler, say). Tests
+:class:`Kernels` says which a trace uses (``"torch"``, ``"compiled"`` or ``"auto"``); the
+trace's recorder falls back to the plain path, with a warning, when compilation fails (no
+C++ compiler, say). Tests
 compare the two (tests/test_kernels.py). benchmarks/bench_kernels.py measured the choice:
 on CPUs the compiled loops were slower (inductor's element-wise log2, which the entropies
 need once per element and measure, runs slower than torch's vectorised one), so ``"auto"``
@@ -139,18 +140,9 @@ class Kernels:
             and torch.device(device).type in COMPILE_ON
             and num_tokens >= COMPILE_FROM_TOKENS
         )
-        self._fn: Callable[[Tensor], tuple[Tensor, ...]] | None = None
 
     def __repr__(self) -> str:
         return f"Kernels({self.choice!r}, compiled={self.compiled})"
-
-    def sums(self, w: Tensor, *, signed: bool, maxima: bool, col_abs: bool) -> BlockSums:
-        if self.compiled:
-            try:
-                return BlockSums(*self._compiled()(w))
-            except Exception as err:  # any backend failure: fall back
-                self.failed(err)
-        return block_sums(w, signed=signed, maxima=maxima, col_abs=col_abs)
 
     def failed(self, err: Exception) -> None:
         """A compiled kernel failed: warn once and use the plain path from now on."""
@@ -161,23 +153,6 @@ class Kernels:
             stacklevel=3,
         )
         self.compiled = False
-
-    def _compiled(self) -> Callable[[Tensor], tuple[Tensor, ...]]:
-        if self._fn is None:
-            self._fn = compiled_block_sums()
-        return self._fn
-
-
-_COMPILED: Callable[[Tensor], tuple[Tensor, ...]] | None = None
-
-
-def compiled_block_sums() -> Callable[[Tensor], tuple[Tensor, ...]]:
-    """:func:`fused_block_sums` under ``torch.compile`` (dynamic shapes), made once per
-    process."""
-    global _COMPILED
-    if _COMPILED is None:
-        _COMPILED = torch.compile(fused_block_sums, dynamic=True, fullgraph=True)
-    return _COMPILED
 
 
 # ---- every measure of a trace from its stored factors, in one compiled graph -------------

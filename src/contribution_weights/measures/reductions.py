@@ -42,7 +42,7 @@ from .aggregates import (
     later_query_mean,
     normalised,
 )
-from .kernels import CHUNK, BlockSums, Kernels, chunk_maxima
+from .kernels import CHUNK, BlockSums, Kernels, block_sums, chunk_maxima
 from .registry import AbsoluteOf, RowScaled, get_measure
 
 FIELDS = ("token_sums", "first", "row_sum", "entropy", "entropy_excl_first")
@@ -187,7 +187,7 @@ class ReductionAccumulator:
             self.fold_other(name, pos, first_query, w.sum(-2), w.sum(-1), w[..., 0], first_key)
             return None  # no entropy, no top keys, and no measure follows from it
         k = self.top_slots(name, w.shape[-1])
-        s = self.kernels.sums(
+        s = block_sums(
             w,
             signed=m.signed,
             maxima=k > 0 and chunked(w.shape[-1], k),

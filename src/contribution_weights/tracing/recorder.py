@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -157,10 +158,9 @@ class TraceRecorder:
         reduces measure by measure) when the compiled pass fails."""
         red = self.reducer
         assert red is not None
-        names = [n for n in self.measures if not isinstance(get_measure(n).algebra, RankOne)]
+        names, basis = self._fused_names, self._basis
         if not names:
             return False
-        basis = self.stored or self._basis(names)
         dtype = red.results[names[0]].token_sums.dtype
         blocks = [
             (computed[b] if b in computed else get_measure(b).compute(lt)[0]).to(dtype)
@@ -208,10 +208,16 @@ class TraceRecorder:
                 red.add_rank_one(name, pos, rows.start, key_f, query_f, lt.valid[0], k0)
         return True
 
-    def _basis(self, names: list[str]) -> list[str]:
-        if not hasattr(self, "_basis_of"):
-            self._basis_of = stored_measures(names, self.dtype)
-        return self._basis_of
+    @cached_property
+    def _fused_names(self) -> list[str]:
+        """The measures the fused pass sums (rank-one ones need no block)."""
+        return [n for n in self.measures if not isinstance(get_measure(n).algebra, RankOne)]
+
+    @cached_property
+    def _basis(self) -> list[str]:
+        """The maps the fused pass reads every measure from: the stored ones, else the
+        fewest that serve them all (:func:`~..measures.registry.stored_measures`)."""
+        return self.stored or stored_measures(self._fused_names, self.dtype)
 
 
 def _rows_scaled_by(scale: Tensor) -> Callable[[Tensor], Tensor]:
