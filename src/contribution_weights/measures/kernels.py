@@ -21,9 +21,8 @@ Two implementations of one contract:
 trace's recorder falls back to the plain path, with a warning, when compilation fails (no
 C++ compiler, say). Tests
 compare the two (tests/test_kernels.py). benchmarks/bench_kernels.py measured the choice:
-on CPUs the compiled loops were slower (inductor's element-wise log2, which the entropies
-need once per element and measure, runs slower than torch's vectorised one), so ``"auto"``
-does not compile there; on GPUs the choice waits for benchmarks/bench_gpu.py's
+on CPUs the compiled trace was slower (why is not established: the fused sums alone are
+faster, ``bench_kernels.py --block``), so ``"auto"`` does not compile there; on GPUs the choice waits for benchmarks/bench_gpu.py's
 ``no-maps-compiled`` row.
 """
 
