@@ -12,6 +12,10 @@ one run:
   ``torch.compile``, Triton on a GPU; compiled during the warm-up run, not timed). On CPUs
   this measured slower than plain torch (benchmarks/bench_kernels.py), so ``kernels="auto"``
   does not compile; this row is what would decide it for GPUs;
+* ``no-maps-triton``: the same with ``kernels="triton"`` (each traced layer reduced whole
+  by the tiled kernels of ``measures/tiled.py``: no map, no block of probabilities; Triton
+  compiles them in the warm-up run). Unmeasured so far: written and tested on CPU, under
+  Triton's interpreter, with no GPU to run it on;
 * ``stream``: ``cw.trace(..., measures="contribution", out=DIR)``, every layer's map
   streamed to a temporary folder in bfloat16 (its size is reported).
 
@@ -122,6 +126,10 @@ class Peak:
             self.peak = max(self.peak, self._rss() - self.base)
 
 
+#: the reductions-only rows and the kernels each traces with
+KERNELS_OF = {"no-maps": "torch", "no-maps-compiled": "compiled", "no-maps-triton": "triton"}
+
+
 def run(model: Any, method: str, ids: Any, folder: Path) -> dict:
     import torch
 
@@ -132,8 +140,8 @@ def run(model: Any, method: str, ids: Any, folder: Path) -> dict:
             if method == "sdpa":
                 model.model.set_attn_implementation("sdpa")
                 model.model(input_ids=ids[None], use_cache=False, logits_to_keep=1)
-            elif method in ("no-maps", "no-maps-compiled"):
-                kernels = "compiled" if method == "no-maps-compiled" else "torch"
+            elif method in KERNELS_OF:
+                kernels = KERNELS_OF[method]
                 cw.trace(model, ids, maps=False, kernels=kernels, progress=False)
             elif method == "stream":
                 cw.trace(
@@ -170,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--lengths", default="2048,8192")
-    parser.add_argument("--methods", default="sdpa,no-maps,no-maps-compiled,stream")
+    parser.add_argument("--methods", default="sdpa,no-maps,no-maps-compiled,no-maps-triton,stream")
     parser.add_argument("--tiny", action="store_true", help="a tiny model of the same family")
     parser.add_argument("--out", type=Path, default=Path("bench-out"))
     args = parser.parse_args(argv)

@@ -14,6 +14,10 @@ from pathlib import Path
 import pytest
 from jaxtyping import install_import_hook
 
+# The tiled Triton kernels run on CPU tensors in Triton's interpreter, which must be chosen
+# before anything imports triton (tests/test_tiled.py); no GPU kernel runs in the tests.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Tensor shapes in the signatures of the pure maths are checked at run time in tests
 # (jaxtyping + beartype); the hook must be installed before the package is imported.
 install_import_hook("contribution_weights.measures", "beartype.beartype")

@@ -25,14 +25,14 @@ def test_bench_gpu_runs_tiny_on_cpu(tmp_path):
             "--lengths",
             "48",
             "--methods",
-            "sdpa,no-maps,stream",  # no-maps-compiled: compiled in tests/test_kernels.py
+            "sdpa,no-maps,no-maps-triton,stream",  # -compiled: in tests/test_kernels.py
             "--out",
             str(tmp_path),
         ]
     )
     assert code == 0
     results = json.loads((tmp_path / "bench_gpu.json").read_text())["results"]
-    assert [r["method"] for r in results] == ["sdpa", "no-maps", "stream"]
+    assert [r["method"] for r in results] == ["sdpa", "no-maps", "no-maps-triton", "stream"]
     stream = results[-1]
     assert stream["disk_mb"] > 0 and all(r["seconds"] > 0 for r in results)
     assert "| 48 | no-maps |" in (tmp_path / "bench_gpu.md").read_text()

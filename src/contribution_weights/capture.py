@@ -360,6 +360,9 @@ class Observer(Protocol):
     ``query_rows(call) -> slice | None``: the only queries it needs to see (None: all).
     When every observer of a layer names its rows, the layer runs on the model's own sdpa
     kernel and only those rows' probabilities are computed, eagerly, for the observers.
+    ``tiled(call) -> bool`` and ``observe_layer(call) -> Tensor``: an observer that reduces
+    a whole layer from ``call``'s queries, keys and values, returning the head states
+    ``(H, T, d_h)``; when every observer of a layer says ``tiled``, no block is built.
     """
 
     def observe(self, view: LayerBlock) -> None: ...
@@ -463,6 +466,9 @@ class CaptureSession:
             and not any(_wants(o, call.layer_idx) for o in self.observers)
         ):
             return self._unobserved(call)
+        tiled = self._tiled(call)
+        if tiled is not None:
+            return tiled
         wanted = self._wanted_rows(call)
         if wanted is not None:
             return self._observed_rows(call, wanted)
@@ -517,6 +523,19 @@ class CaptureSession:
         call.layer_probs = None
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
         return out.transpose(1, 2).contiguous()
+
+    def _tiled(self, call: LayerCall) -> Tensor | None:
+        """The layer for observers that reduce it whole from its queries, keys and values
+        (``observe_layer``, no probabilities built: the tiled kernels of
+        :mod:`~.measures.tiled`), when every observer of the layer can; else None. The
+        layer's output is the head states they computed, ``(B, T, H, d_h)``."""
+        if self.intervention is not None or not self.observers:
+            return None
+        watching = [o for o in self.observers if _wants(o, call.layer_idx)]
+        if not watching or not all(getattr(o, "tiled", _never)(call) for o in watching):
+            return None
+        states = [o.observe_layer(call) for o in watching]  # type: ignore[attr-defined]
+        return states[0].to(call.query.dtype)[None].transpose(1, 2).contiguous()
 
     def _wanted_rows(self, call: LayerCall) -> slice | None:
         """The queries the observers of this layer need, when every one of them names its
@@ -574,6 +593,10 @@ class CaptureSession:
             if skipped is not None:
                 skipped(call)
         return out
+
+
+def _never(call: LayerCall) -> bool:
+    return False
 
 
 def _layer_index(module: nn.Module) -> int:

@@ -20,9 +20,9 @@ STORAGE_DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64")
 #: keys kept per query in a trace's reductions (``measures.reductions``)
 DEFAULT_TOP_K = 8
 
-#: how a trace reduces its blocks (``measures.kernels``): plain torch, compiled, or compiled
-#: for long texts only
-KERNELS = ("auto", "torch", "compiled")
+#: how a trace reduces its blocks (``measures.kernels``): plain torch, compiled, compiled
+#: for long texts only, or tiled Triton kernels that build no map (``measures.tiled``)
+KERNELS = ("auto", "torch", "compiled", "triton")
 
 #: removal experiments (``interventions``, faithfulness and downstream): what a removal
 #: keeps, how tokens are ranked, and the hidden-state cosine that marks a sink token

@@ -96,8 +96,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="auto",
         help="how blocks are reduced: compiled with torch.compile (fused loops; a first "
         "compile takes 10-60 s, then cached), plain torch, or auto (the one measured "
-        "faster on the device: plain torch so far; compiling measured slower on CPUs) "
-        "(default auto)",
+        "faster on the device: plain torch so far; compiling measured slower on CPUs), "
+        "or triton (with --no-maps: each traced layer reduced whole by tiled Triton "
+        "kernels that never build a T x T map, for GPUs; on CPUs it runs in Triton's "
+        "slow interpreter) (default auto)",
     )
     p.add_argument(
         "--memory-limit",
@@ -130,7 +132,22 @@ def run(args: argparse.Namespace) -> int:
 
     if not text.strip():
         raise InputError("the text is empty; pass some text to trace")
-    resolve_measures(args.measures)  # an unknown measure names the valid ones
+    names = resolve_measures(args.measures)  # an unknown measure names the valid ones
+    if args.kernels == "triton":
+        # before the model loads: loading imports triton, which must learn first whether
+        # to interpret (CPU tensors) or compile
+        import torch
+
+        from ..measures.tiled import refusal
+
+        problem = refusal(
+            not args.no_maps,
+            names,
+            torch.float64 if args.compute_dtype == "float64" else torch.float32,
+            args.device or "cpu",
+        )
+        if problem is not None:
+            raise InputError(problem)
     dims = peek_dims(args.model)  # the config alone; None: checked right after loading
     if dims is not None:
         resolve_layers(args.layers, dims.num_layers)  # a bad --layers fails here too

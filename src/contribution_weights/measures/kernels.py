@@ -126,7 +126,9 @@ def fused_block_sums(w: Float[Tensor, "h i k"]) -> tuple[Tensor, ...]:
 class Kernels:
     """Which implementation reduces blocks: ``"torch"``, ``"compiled"`` or ``"auto"``
     (compiled on the devices of :data:`COMPILE_ON` from :data:`COMPILE_FROM_TOKENS` tokens
-    on, else plain). A compile that fails warns once and leaves the plain path in use."""
+    on, else plain). A compile that fails warns once and leaves the plain path in use.
+    ``"triton"``: no blocks at all; traced layers are reduced whole by the tiled kernels
+    of :mod:`.tiled` (traces without maps only)."""
 
     def __init__(
         self, choice: str = "torch", num_tokens: int = 0, device: torch.device | str = "cpu"
@@ -134,6 +136,7 @@ class Kernels:
         if choice not in KERNELS:
             raise ValueError(f"kernels={choice!r}: choose one of {', '.join(KERNELS)}")
         self.choice = choice
+        self.tiled = choice == "triton"  # whole layers by measures.tiled, no blocks
         self.compiled = choice == "compiled" or (
             choice == "auto"
             and torch.device(device).type in COMPILE_ON

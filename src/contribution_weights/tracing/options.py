@@ -34,7 +34,10 @@ class TraceOptions:
         kernels: how blocks are reduced (token sums, entropies, top-k search): ``"torch"``
             (plain), ``"compiled"`` (fused by ``torch.compile``) or ``"auto"`` (the one
             measured faster on the device: plain torch on CPUs, where compiling measured
-            slower, and on GPUs until measured there). Both give the same reductions to
+            slower, and on GPUs until measured there), or ``"triton"`` (``maps=False``
+            only: each traced layer reduced whole by the tiled kernels of
+            ``measures.tiled``, FlashAttention-style, no ``T × T`` map in memory; meant
+            for GPUs, interpreted and slow on CPUs). All give the same reductions to
             float rounding.
     """
 

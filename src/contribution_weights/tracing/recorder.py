@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ..capture import LayerBlock, LayerCall
 from ..measures.kernels import BlockSums, compiled_measure_sums, deriver
-from ..measures.layer import Factors
+from ..measures.layer import Factors, reciprocal
 from ..measures.reductions import (
     ReductionAccumulator,
     chunk_candidates,
@@ -114,6 +114,64 @@ class TraceRecorder:
             store.finish_layer(pos)
         if self.progress is not None:
             self.progress.update(1)
+
+    def tiled(self, call: LayerCall) -> bool:
+        """Whether this layer is reduced whole by the tiled kernels (``kernels="triton"``,
+        reductions only, one sequence without a cache) instead of block by block."""
+        red = self.reducer
+        return (
+            red is not None
+            and red.kernels.tiled
+            and self.store is None
+            and call.layer_idx in self._position
+            and call.batch == 1
+            and call.q_len == call.k_len
+        )
+
+    def observe_layer(self, call: LayerCall) -> Tensor:
+        """Reduce a whole layer with :class:`~..measures.tiled.TiledLayer`: no map, no
+        block of probabilities; returns its head states ``(H, T, d_h)`` (float32)."""
+        from ..measures.tiled import TiledLayer
+
+        red = self.reducer
+        assert red is not None
+        pos = self._position[call.layer_idx]
+        if not self.vectors:
+            self._allocate(call)
+        start, stop = _key_ranges(call)
+        w_o, b_o, gram = call.output_blocks(torch.float32)
+        layer = TiledLayer(
+            call.query[0], call.key[0], call.value[0], start, stop, call.scaling,
+            call.softcap, w_o, b_o, gram,
+        )  # fmt: skip
+        t = call.k_len
+        for name in self.measures:
+            measure = get_measure(name)
+            if isinstance(measure.algebra, RankOne):
+                factors: Any = _RankOneFactors(layer)  # what the factors read of a layer
+                key_f = measure.algebra.key_factor(factors)[0]
+                query_f = measure.algebra.query_factor(factors)[0]
+                for rows in _row_blocks(call):
+                    valid = call.valid(rows)[0]
+                    red.add_rank_one(name, pos, rows.start, key_f, query_f[rows], valid, 0)
+                continue
+            sums, top = layer.sums(name, red.top_slots(name, t))
+            if measure.is_weight:
+                red.fold(name, pos, 0, sums, top, 0)
+            else:
+                red.fold_other(name, pos, 0, sums.col, sums.row, sums.first_value, 0)
+        v, dtype = self.vectors, self.dtype
+        v["key_start"][pos] = start
+        v["key_stop"][pos] = stop
+        v["bias_share"][pos] = layer.bias_share.to(dtype)
+        v["degenerate"][pos] = layer.output_norm2 <= 0
+        v["degenerate_heads"][pos] = layer.head_output_norm2 <= 0
+        v["output_norm"][pos] = layer.output_norm.to(dtype)
+        v["zero_values"][pos] = layer.value_norm <= 0
+        v["value_norm"][pos] = layer.value_norm.to(dtype)
+        if self.progress is not None:
+            self.progress.update(self.blocks_per_layer)
+        return layer.z
 
     def _reduce(self, lt: Any, pos: int, rows: slice, computed: dict[str, Tensor], k0: int) -> None:
         """Fold this block into the reductions. A measure whose algebra says how it follows
@@ -248,6 +306,27 @@ def _top(name: str, basis: list[str], f: Factors, sums: BlockSums, k: int) -> tu
     a = (w.abs() if signed else w).masked_fill(~inside, -1.0)
     pick = torch.topk(a, k, dim=-1).indices
     return cols.gather(-1, pick), w.gather(-1, pick)
+
+
+class _RankOneFactors:
+    """The per-key and per-query norms a rank-one measure's factors read, as a
+    :class:`~..measures.layer.LayerTensors` holds them (batch of one)."""
+
+    def __init__(self, layer: Any) -> None:
+        self.value_norm = layer.value_norm[None]
+        self.inv_output_norm = reciprocal(layer.output_norm)[None]
+
+
+def _row_blocks(call: LayerCall) -> list[slice]:
+    """Blocks of query rows whose ``(rows, keys)`` masks hold at most 2^24 entries."""
+    step = max(1, (1 << 24) // max(1, call.k_len))
+    return [slice(s, min(call.q_len, s + step)) for s in range(0, call.q_len, step)]
+
+
+def _key_ranges(call: LayerCall) -> tuple[Tensor, Tensor]:
+    """Every query's ``[start, stop)`` of keys, read off the mask block by block."""
+    ranges = [_key_range(call.valid(rows)[0], call.layer_idx, rows) for rows in _row_blocks(call)]
+    return torch.cat([r[0] for r in ranges]), torch.cat([r[1] for r in ranges])
 
 
 def _key_range(valid: Tensor, layer: int, rows: slice) -> tuple[Tensor, Tensor]:

@@ -114,6 +114,12 @@ def trace(
     if block_bytes < 1:
         raise InputError(f"block_bytes must be at least 1, not {block_bytes}")
     names = resolve_measures(measures)
+    if opts.kernels == "triton":
+        from ..measures.tiled import refusal
+
+        problem = refusal(maps, names, dtype, model.device)
+        if problem is not None:
+            raise InputError(problem)
     layer_list = resolve_layers(layers, model.num_layers)
     ids = encode(model, inputs, opts.max_tokens, opts.truncate)
     folder = None if out is None else Path(out)

@@ -1,0 +1,280 @@
+"""A layer's reductions without any ``T × T`` map: tiled, in the manner of FlashAttention.
+
+The plain and compiled reductions (:mod:`.kernels`) fold blocks of maps that the capture
+built: ``H × I × T`` numbers per block of queries, written to memory and read back by
+every pass. Here nothing of the sort exists. Given a layer's queries, keys and values,
+
+1. :func:`layer_sums` runs FlashAttention's online softmax per head and tile of queries
+   (Triton kernel ``forward``): each query's log-sum-exp and head state
+   ``z_i^(h) = Σ_j α_ij v_j`` in float32;
+2. from those, the per-query and per-key vectors every measure needs, ``O(T · d)``
+   each (the layer output ``o_i``, ``W_O^(h)ᵀ o_i / ‖o_i‖²``, ``Gram_h z_i / ‖o_i^(h)‖²``,
+   ``‖ṽ_j^(h)‖``), as :class:`~.layer.LayerTensors` defines them;
+3. per measure, the kernel ``reduce`` recomputes α, p and the measure tile by tile in
+   registers and folds it into the sums a trace keeps (:class:`~.kernels.BlockSums`:
+   row and column sums, the entropies' sums, the key-0 entry) and each query's top keys.
+
+Memory is ``O(H · T · d_h)``, whatever the length: what users with 8B models at 32k
+tokens need on a GPU. Costs: α is recomputed once per measure and direction (a
+``QKᵀ`` tile product each), which the GPU's arithmetic absorbs better than the plain
+path's memory traffic; whether it does, benchmarks/bench_gpu.py measures (its
+``no-maps-triton`` row). Exactness: float32 throughout (``tl.dot`` in IEEE precision,
+not TF32); the tests compare with the plain path under Triton's interpreter, on CPU.
+
+What it serves: traces without maps (``maps=False``, reductions only) of one sequence,
+with the measures of :data:`MEASURES` (rank-one ``relative_norm`` needs no kernel), on
+attention whose every query sees one contiguous range of keys (causal, sliding window).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import math
+import os
+import sys
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+from torch import Tensor
+
+from .kernels import BlockSums
+from .layer import reciprocal
+from .registry import get_measure
+
+#: the measures the kernel computes, by its numbering (see :mod:`.triton_kernels`)
+MEASURES = {
+    "attention": 0,
+    "contribution": 1,
+    "intra": 2,
+    "projection": 3,
+    "cosine": 4,
+    "vw": 5,
+    "vw_on": 6,
+    "ihc": 7,
+}
+#: queries and keys per tile (halved for heads wider than 128 on GPUs: each tile holds
+#: three (queries, head dim) operands in registers); tl.dot needs at least 16
+TILE = 64
+#: measures the tiled path serves without a kernel (their reductions are rank one)
+RANK_ONE = frozenset({"relative_norm"})
+
+
+def available() -> str | None:
+    """None when Triton can be imported, else why not (said to the user)."""
+    if importlib.util.find_spec("triton") is None:  # not imported: see kernels()
+        return (
+            "kernels='triton' needs the triton package, which is not installed; GPU builds "
+            "of torch bring it, else `pip install triton`"
+        )
+    return None
+
+
+def refusal(
+    maps: bool, measures: list[str], dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> str | None:
+    """Why a trace with these options cannot use the tiled kernels (None: it can)."""
+    if maps:
+        return (
+            "kernels='triton' computes the reductions without building any map: trace "
+            "with maps=False (cw trace --no-maps), or choose kernels='torch'"
+        )
+    other = [m for m in measures if m not in MEASURES and m not in RANK_ONE]
+    if other:
+        return (
+            f"kernels='triton' does not compute {', '.join(other)}; drop it from the "
+            "measures or choose kernels='torch'"
+        )
+    if dtype != torch.float32:
+        return "kernels='triton' computes in float32: use compute_dtype='float32'"
+    problem = available()
+    if problem is None:
+        try:
+            kernels(torch.device(device).type == "cpu")
+        except RuntimeError as err:
+            problem = str(err)
+    return problem
+
+
+@functools.cache
+def kernels(interpret: bool) -> SimpleNamespace:
+    """The Triton kernels, compiled (tensors on a GPU) or interpreted (on the CPU).
+
+    Triton chooses between the two when it is first imported (``TRITON_INTERPRET``): the
+    interpreter is asked for here when CPU tensors come first; once triton is imported
+    compiled, CPU tensors cannot be served (a clear error says how to start instead).
+    """
+    if interpret and "triton" not in sys.modules:
+        os.environ["TRITON_INTERPRET"] = "1"
+    import triton
+
+    if interpret and not triton.knobs.runtime.interpret:
+        raise RuntimeError(
+            "kernels='triton' on CPU tensors runs Triton's interpreter, which must be chosen "
+            "before triton is imported: set TRITON_INTERPRET=1 in the environment (or trace "
+            "on a GPU, or use kernels='torch')"
+        )
+    from . import triton_kernels
+
+    return triton_kernels.build()
+
+
+@dataclass
+class TiledLayer:
+    """One layer's float32 inputs and the per-query and per-key vectors of step 2.
+
+    Shapes: ``q`` ``(H, T_q, d_h)``; ``k``, ``v`` ``(G, T, d_h)``; ``start``, ``stop``
+    ``(T_q,)`` int32 (the keys ``[start_i, stop_i)`` query i sees); ``w_o`` ``(H, d, d_h)``,
+    ``b_o`` ``(d,)`` or None, ``gram`` ``(H, d_h, d_h)`` (as :class:`~.layer.LayerTensors`).
+    """
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    start: Tensor
+    stop: Tensor
+    scaling: float
+    softcap: float | None
+    w_o: Tensor
+    b_o: Tensor | None
+    gram: Tensor
+    block_m: int = 0  # queries per tile (0: TILE)
+    block_n: int = 0  # keys per tile (0: TILE)
+
+    def __post_init__(self) -> None:
+        h, g = self.q.shape[0], self.k.shape[0]
+        if h % g:
+            raise ValueError(f"{h} query heads do not divide into {g} KV heads")
+        self.q, self.k, self.v = (x.float().contiguous() for x in (self.q, self.k, self.v))
+        self.start = self.start.to(torch.int32).contiguous()
+        self.stop = self.stop.to(torch.int32).contiguous()
+        self.interpret = self.q.device.type == "cpu"
+        self.block_d = max(16, 1 << (self.q.shape[-1] - 1).bit_length())
+        tile = TILE if self.block_d <= 128 or self.interpret else TILE // 2  # registers
+        self.block_m, self.block_n = self.block_m or tile, self.block_n or tile
+        self.kern = kernels(self.interpret)
+        self._spans()
+        self._forward()
+        self._vectors()
+
+    # ---- geometry of the tiles -------------------------------------------------------
+    def _spans(self) -> None:
+        """Per tile of queries the keys any of them sees, and per tile of keys the query
+        tiles that see any of them (as first and one-past-last query row)."""
+        t_q, t_k = self.q.shape[1], self.k.shape[1]
+        bm, bn = self.block_m, self.block_n
+        pad = (-t_q) % bm
+        start = torch.nn.functional.pad(self.start, (0, pad), value=t_k)
+        stop = torch.nn.functional.pad(self.stop, (0, pad), value=0)
+        self.key_lo = start.view(-1, bm).amin(1).to(torch.int32).contiguous()
+        self.key_hi = stop.view(-1, bm).amax(1).to(torch.int32).contiguous()
+        self.key_hi = torch.maximum(self.key_hi, self.key_lo)
+        # query tile m sees key tile n when key_lo[m] < n1 and key_hi[m] > n0
+        n0 = torch.arange(0, t_k, bn, device=self.q.device)
+        n1 = (n0 + bn).clamp_max(t_k)
+        sees = (self.key_lo[None, :] < n1[:, None]) & (self.key_hi[None, :] > n0[:, None])
+        any_ = sees.any(1)
+        first = sees.int().argmax(1)
+        last = sees.shape[1] - sees.flip(1).int().argmax(1)
+        self.query_lo = torch.where(any_, first * bm, 0).to(torch.int32).contiguous()
+        self.query_hi = torch.where(any_, last * bm, 0).to(torch.int32).contiguous()
+
+    def _grid(self, axis: int) -> tuple[int, int]:
+        h, t_q, t_k = self.q.shape[0], self.q.shape[1], self.k.shape[1]
+        return (h, math.ceil(t_q / self.block_m) if axis == 0 else math.ceil(t_k / self.block_n))
+
+    # ---- step 1: log-sum-exp and head states --------------------------------------------
+    def _forward(self) -> None:
+        h, t_q, d = self.q.shape
+        g, t_k = self.k.shape[:2]
+        self.lse = torch.empty(h, t_q, dtype=torch.float32, device=self.q.device)
+        self.z = torch.empty(h, t_q, d, dtype=torch.float32, device=self.q.device)
+        self.kern.forward[self._grid(0)](
+            self.q, self.k, self.v, self.start, self.stop, self.key_lo, self.key_hi,
+            self.z, self.lse,
+            t_q, t_k, d, h // g, self.scaling, self.softcap or 1.0,
+            self.q.stride(0), self.q.stride(1), self.k.stride(0), self.k.stride(1),
+            self.z.stride(0), self.z.stride(1),
+            SOFTCAP=self.softcap is not None, BLOCK_M=self.block_m, BLOCK_N=self.block_n,
+            BLOCK_D=self.block_d,
+        )  # fmt: skip
+
+    # ---- step 2: the vectors the measures are read from --------------------------------
+    def _vectors(self) -> None:
+        """As :class:`~.layer.LayerTensors` defines them, from ``z`` instead of ``α @ v``."""
+        w_o, gram, z = self.w_o.float(), self.gram.float(), self.z
+        out = torch.einsum("hid,hed->ie", z, w_o)
+        if self.b_o is not None:
+            out = out + self.b_o.float()
+        self.output = out
+        self.output_norm2 = out.square().sum(-1)
+        self.output_norm = self.output_norm2.sqrt()
+        self.back = torch.einsum("ie,hed->hid", out * reciprocal(self.output_norm2)[:, None], w_o)
+        zg = z @ gram
+        self.head_output_norm2 = (zg * z).sum(-1).clamp_min(0)
+        self.left = (zg * reciprocal(self.head_output_norm2)[..., None]).contiguous()
+        self.back = self.back.contiguous()
+        rep = self.q.shape[0] // self.k.shape[0]
+        values = self.v.repeat_interleave(rep, dim=0) if rep > 1 else self.v
+        self.value_norm = ((values @ gram) * values).sum(-1).clamp_min(0).sqrt().contiguous()
+        if self.b_o is None:
+            self.bias_share = torch.zeros_like(self.output_norm2)
+        else:
+            self.bias_share = (out @ self.b_o.float()) * reciprocal(self.output_norm2)
+
+    # ---- step 3: one measure's sums -------------------------------------------------------
+    def sums(self, name: str, top_k: int) -> tuple[BlockSums, tuple[Tensor, Tensor] | None]:
+        """The :class:`~.kernels.BlockSums` of measure ``name`` over every query and key
+        (no chunk maxima: the top keys come with them, largest |w| first, as ``(H, T_q,
+        top_k)`` key indices and signed values; None when ``top_k`` is 0)."""
+        h, t_q, d = self.q.shape
+        g, t_k = self.k.shape[:2]
+        measure = get_measure(name)
+        dev = self.q.device
+
+        def f32(*shape: int) -> Tensor:
+            return torch.empty(*shape, dtype=torch.float32, device=dev)
+
+        row, rest, rest_log, first, first_value = (f32(h, t_q) for _ in range(5))
+        col, col_abs = f32(h, t_k), f32(h, t_k)
+        k = top_k if measure.is_weight else 0
+        top_a = f32(h, t_q, max(k, 1))
+        top_w = torch.empty_like(top_a)
+        top_i = torch.empty(h, t_q, max(k, 1), dtype=torch.int32, device=dev)
+        const = dict(
+            MEASURE=MEASURES[name],
+            SIGNED=measure.signed,
+            SOFTCAP=self.softcap is not None,
+            TOPK=k,
+            TOPK_PAD=max(1, 1 << (k - 1).bit_length()) if k else 1,
+            BLOCK_M=self.block_m,
+            BLOCK_N=self.block_n,
+            BLOCK_D=self.block_d,
+        )
+        for axis, spans, outs in (
+            (0, (self.key_lo, self.key_hi), (row, None, rest, rest_log, first, first_value)),
+            (1, (self.query_lo, self.query_hi), (col, col_abs, None, None, None, None)),
+        ):
+            o = [x if x is not None else row for x in outs]  # unused by that direction
+            self.kern.reduce[self._grid(axis)](
+                self.q, self.k, self.v, self.start, self.stop, self.lse, self.back, self.left,
+                self.output_norm, self.value_norm, *spans, *o, top_a, top_w, top_i,
+                t_q, t_k, d, h // g, self.scaling, self.softcap or 1.0,
+                self.q.stride(0), self.q.stride(1), self.k.stride(0), self.k.stride(1),
+                AXIS=axis, **const,
+            )  # fmt: skip
+        sums = BlockSums(
+            col=col,
+            col_abs=col_abs,
+            row=row if measure.signed else rest + first,
+            rest_total=rest,
+            rest_log=rest_log,
+            first=first,
+            maxima=None,
+            first_value=first_value,
+        )
+        if not k:
+            return sums, None
+        order = top_a.argsort(-1, descending=True)
+        return sums, (top_i.gather(-1, order).long(), top_w.gather(-1, order))

@@ -1,0 +1,115 @@
+"""The tiled Triton kernels (``kernels="triton"``) against the plain block reductions.
+
+Run by Triton's interpreter on CPU tensors, as CI runs them (no GPU there): the same
+kernels a GPU compiles, executed tile by tile with numpy. The families cover GQA, a
+sliding window (Mistral, Gemma 3), attention soft-capping (Gemma 2) and biases (Qwen 2).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import tiny_model
+
+import contribution_weights as cw
+from contribution_weights.inputs import InputError
+from contribution_weights.measures import tiled
+
+pytest.importorskip("triton")
+
+FIELDS = ("token_sums", "first", "row_sum", "entropy", "entropy_excl_first", "top_values")
+
+
+@pytest.fixture(autouse=True)
+def small_tiles(monkeypatch):
+    """Tiles of 32: several tiles at a few dozen tokens, which the interpreter runs in
+    seconds."""
+    monkeypatch.setattr(tiled, "TILE", 32)
+
+
+def _pair(family: str, tokens: int, measures: str = "all", top_k: int = 3):
+    lm = tiny_model(family)
+    lm.model.config.max_position_embeddings = 512
+    ids = torch.randint(0, 99, (tokens,), generator=torch.Generator().manual_seed(2))
+    common = dict(maps=False, top_k=top_k, measures=measures, progress=False)
+    return cw.trace(lm, ids, kernels="torch", **common), cw.trace(
+        lm, ids, kernels="triton", **common
+    )
+
+
+def _assert_same(plain, tiled):
+    for name, r in plain.reductions.items():
+        c = tiled.reductions[name]
+        for field in FIELDS:
+            x, y = getattr(c, field), getattr(r, field)
+            if y is not None:
+                torch.testing.assert_close(x, y, rtol=1e-4, atol=2e-5, msg=f"{name}.{field}")
+        if r.top_keys is not None:
+            # the same keys wherever the plain path ranks a key of nonzero weight, but for
+            # exact ties (two keys of one weight: either may be kept), which the values
+            # above already checked
+            kept = r.top_values != 0
+            differ = (c.top_keys != r.top_keys) & kept
+            tied = (c.top_values - r.top_values).abs() <= 1e-6
+            assert bool((tied | ~differ).all()), name
+            assert int(differ.sum()) <= 0.01 * int(kept.sum()), name
+    for name, v in plain.vectors.items():
+        got = tiled.vectors[name]
+        if v.dtype == torch.bool or not v.is_floating_point():
+            assert torch.equal(got, v), name
+        else:
+            torch.testing.assert_close(got, v, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("family", "measures"),
+    [
+        ("llama", "all"),  # GQA; every measure of "all"
+        ("mistral", "attention,contribution"),  # a sliding window
+        ("gemma2", "attention,cosine"),  # soft-capped scores
+        ("gemma3_text", "intra,vw_on"),  # sliding and full layers
+        ("qwen2", "projection,vw"),  # biases
+    ],
+)
+def test_tiled_kernels_give_the_plain_reductions(family, measures):
+    """Over 40 tokens: two tiles of queries and of keys, the second partial. (The
+    interpreter is slow: every measure on one family, the families' features on a few.)"""
+    _assert_same(*_pair(family, 40, measures))
+
+
+def test_tiled_kernels_with_the_faithfulness_measure_and_no_top_keys():
+    _assert_same(*_pair("llama", 20, measures="ihc,vw_on,relative_norm", top_k=0))
+
+
+def test_head_states_and_log_sum_exp_equal_the_explicit_softmax():
+    """Step 1 (the online softmax) on its own: GQA 4:2, a sliding window of 9 keys,
+    soft-capped scores; z_i = Σ_j α_ij v_j is what the layer returns to the model."""
+    gen = torch.Generator().manual_seed(0)
+    h, g, t, dh, d = 4, 2, 45, 8, 16
+    q, k, v = (torch.randn(n, t, dh, generator=gen) for n in (h, g, g))
+    w_o = torch.randn(h, d, dh, generator=gen)
+    i, j = torch.arange(t)[:, None], torch.arange(t)[None, :]
+    valid = (j <= i) & (j > i - 9)
+    layer = tiled.TiledLayer(
+        q, k, v, valid.int().argmax(1), torch.arange(t) + 1, 0.3, 2.0, w_o, None,
+        w_o.transpose(1, 2) @ w_o,
+    )  # fmt: skip
+    scores = 2.0 * torch.tanh(q @ k.repeat_interleave(2, 0).transpose(1, 2) * 0.3 / 2.0)
+    scores = scores.masked_fill(~valid, float("-inf"))
+    torch.testing.assert_close(layer.lse, scores.logsumexp(-1), rtol=1e-5, atol=1e-5)
+    z = scores.softmax(-1) @ v.repeat_interleave(2, 0)
+    torch.testing.assert_close(layer.z, z, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        (dict(maps=True), "maps=False"),
+        (dict(maps=False, measures="distance"), "distance"),
+        (dict(maps=False, compute_dtype="float64"), "float32"),
+    ],
+)
+def test_options_the_tiled_kernels_cannot_serve_are_refused(options, says):
+    lm = tiny_model("llama")
+    with pytest.raises(InputError, match=says):
+        cw.trace(lm, "a b c", kernels="triton", progress=False, **options)
