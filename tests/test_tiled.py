@@ -7,6 +7,11 @@ sliding window (Mistral, Gemma 3), attention soft-capping (Gemma 2) and biases (
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from tiny_models import tiny_model
@@ -113,3 +118,44 @@ def test_options_the_tiled_kernels_cannot_serve_are_refused(options, says):
     lm = tiny_model("llama")
     with pytest.raises(InputError, match=says):
         cw.trace(lm, "a b c", kernels="triton", progress=False, **options)
+
+
+def test_the_default_tiles_against_the_plain_path(monkeypatch):
+    """Tiles of 64 (the default; the other tests use 32 for speed), 70 tokens."""
+    monkeypatch.setattr(tiled, "TILE", 64)
+    _assert_same(*_pair("llama", 70, measures="contribution", top_k=2))
+
+
+def test_tile_sizes_triton_cannot_use_are_refused():
+    q = torch.zeros(2, 8, 8)
+    with pytest.raises(ValueError, match="powers of two"):
+        tiled.TiledLayer(
+            q, q, q, torch.zeros(8), torch.ones(8), 1.0, None, torch.zeros(2, 4, 8), None,
+            torch.zeros(2, 8, 8), block_m=24,
+        )  # fmt: skip
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_on_a_gpu(tmp_path):
+    """Compiled by Triton for the GPU (no interpreter: a fresh process without
+    TRITON_INTERPRET), against the plain path."""
+    script = tmp_path / "gpu.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "import torch, test_tiled as t\n"
+        "from tiny_models import tiny_model\n"
+        "import contribution_weights as cw\n"
+        "lm = tiny_model('llama')\n"
+        "lm.model.to('cuda')\n"
+        "ids = torch.randint(0, 99, (200,), generator=torch.Generator().manual_seed(2))\n"
+        "kw = dict(maps=False, top_k=3, progress=False)\n"
+        "t._assert_same(cw.trace(lm, ids, kernels='torch', **kw),\n"
+        "               cw.trace(lm, ids, kernels='triton', **kw))\n"
+        "print('same')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=900
+    )
+    assert run.returncode == 0 and run.stdout.strip().endswith("same"), run.stderr[-3000:]

@@ -28,11 +28,13 @@ attention whose every query sees one contiguous range of keys (causal, sliding w
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import math
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -115,6 +117,13 @@ def kernels(interpret: bool) -> SimpleNamespace:
             "before triton is imported: set TRITON_INTERPRET=1 in the environment (or trace "
             "on a GPU, or use kernels='torch')"
         )
+    if not interpret and triton.knobs.runtime.interpret:
+        warnings.warn(
+            "TRITON_INTERPRET is set: the tiled kernels run in Triton's interpreter on GPU "
+            "tensors too, correctly but slowly; unset it to compile them",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     from . import triton_kernels
 
     return triton_kernels.build()
@@ -151,8 +160,13 @@ class TiledLayer:
         self.stop = self.stop.to(torch.int32).contiguous()
         self.interpret = self.q.device.type == "cpu"
         self.block_d = max(16, 1 << (self.q.shape[-1] - 1).bit_length())
-        tile = TILE if self.block_d <= 128 or self.interpret else TILE // 2  # registers
+        # registers: at 64 × 64 tiles and d_h = 128 ptxas spills tens of KB (found by an
+        # offline compile for sm_90); halved there
+        tile = TILE if self.block_d < 128 or self.interpret else TILE // 2
         self.block_m, self.block_n = self.block_m or tile, self.block_n or tile
+        for size in (self.block_m, self.block_n):
+            if size < 16 or size & (size - 1):
+                raise ValueError(f"tiles must be powers of two of at least 16, not {size}")
         self.kern = kernels(self.interpret)
         self._spans()
         self._forward()
@@ -187,9 +201,14 @@ class TiledLayer:
     # ---- step 1: log-sum-exp and head states --------------------------------------------
     def _forward(self) -> None:
         h, t_q, d = self.q.shape
-        g, t_k = self.k.shape[:2]
         self.lse = torch.empty(h, t_q, dtype=torch.float32, device=self.q.device)
         self.z = torch.empty(h, t_q, d, dtype=torch.float32, device=self.q.device)
+        with _on(self.q.device):
+            self._launch_forward()
+
+    def _launch_forward(self) -> None:
+        h, t_q, d = self.q.shape
+        g, t_k = self.k.shape[:2]
         self.kern.forward[self._grid(0)](
             self.q, self.k, self.v, self.start, self.stop, self.key_lo, self.key_hi,
             self.z, self.lse,
@@ -228,8 +247,8 @@ class TiledLayer:
         """The :class:`~.kernels.BlockSums` of measure ``name`` over every query and key
         (no chunk maxima: the top keys come with them, largest |w| first, as ``(H, T_q,
         top_k)`` key indices and signed values; None when ``top_k`` is 0)."""
-        h, t_q, d = self.q.shape
-        g, t_k = self.k.shape[:2]
+        h, t_q = self.q.shape[:2]
+        t_k = self.k.shape[1]
         measure = get_measure(name)
         dev = self.q.device
 
@@ -252,18 +271,9 @@ class TiledLayer:
             BLOCK_N=self.block_n,
             BLOCK_D=self.block_d,
         )
-        for axis, spans, outs in (
-            (0, (self.key_lo, self.key_hi), (row, None, rest, rest_log, first, first_value)),
-            (1, (self.query_lo, self.query_hi), (col, col_abs, None, None, None, None)),
-        ):
-            o = [x if x is not None else row for x in outs]  # unused by that direction
-            self.kern.reduce[self._grid(axis)](
-                self.q, self.k, self.v, self.start, self.stop, self.lse, self.back, self.left,
-                self.output_norm, self.value_norm, *spans, *o, top_a, top_w, top_i,
-                t_q, t_k, d, h // g, self.scaling, self.softcap or 1.0,
-                self.q.stride(0), self.q.stride(1), self.k.stride(0), self.k.stride(1),
-                AXIS=axis, **const,
-            )  # fmt: skip
+        with _on(dev):
+            self._launch_reduce(const, row, rest, rest_log, first, first_value, col, col_abs,
+                                top_a, top_w, top_i)  # fmt: skip
         sums = BlockSums(
             col=col,
             col_abs=col_abs,
@@ -278,3 +288,31 @@ class TiledLayer:
             return sums, None
         order = top_a.argsort(-1, descending=True)
         return sums, (top_i.gather(-1, order).long(), top_w.gather(-1, order))
+
+    def _launch_reduce(
+        self, const: dict, row: Tensor, rest: Tensor, rest_log: Tensor, first: Tensor,
+        first_value: Tensor, col: Tensor, col_abs: Tensor, top_a: Tensor, top_w: Tensor,
+        top_i: Tensor,
+    ) -> None:  # fmt: skip
+        h, t_q, d = self.q.shape
+        g, t_k = self.k.shape[:2]
+        for axis, spans, outs in (
+            (0, (self.key_lo, self.key_hi), (row, None, rest, rest_log, first, first_value)),
+            (1, (self.query_lo, self.query_hi), (col, col_abs, None, None, None, None)),
+        ):
+            o = [x if x is not None else row for x in outs]  # unused by that direction
+            self.kern.reduce[self._grid(axis)](
+                self.q, self.k, self.v, self.start, self.stop, self.lse, self.back, self.left,
+                self.output_norm, self.value_norm, *spans, *o, top_a, top_w, top_i,
+                t_q, t_k, d, h // g, self.scaling, self.softcap or 1.0,
+                self.q.stride(0), self.q.stride(1), self.k.stride(0), self.k.stride(1),
+                AXIS=axis, **const,
+            )  # fmt: skip
+
+
+def _on(device: torch.device) -> contextlib.AbstractContextManager[None]:
+    """Triton launches on the current CUDA device, not the tensors': make it theirs (a
+    model split over several GPUs puts layers on different ones)."""
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()

@@ -44,8 +44,9 @@ def _forward(
     SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    h = tl.program_id(0)
-    tile = tl.program_id(1)
+    h = tl.program_id(0).to(tl.int64)  # 64-bit offsets: H · T · d_h may pass 2^31
+    # the last query tiles see the most keys: started first, they do not form the tail
+    tile = tl.num_programs(1) - 1 - tl.program_id(1)
     kv = h // group
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
@@ -101,8 +102,11 @@ def _reduce(
     TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    h = tl.program_id(0)
-    tile = tl.program_id(1)
+    h = tl.program_id(0).to(tl.int64)
+    if AXIS == 0:  # as in forward: the longest query tiles first
+        tile = tl.num_programs(1) - 1 - tl.program_id(1)
+    else:
+        tile = tl.program_id(1)
     kv = h // group
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < dim
@@ -197,21 +201,23 @@ def _reduce(
             first_value += tl.sum(tl.where(is_first, w, 0.0), 1)
             if TOPK > 0:
                 # the TOPK largest a of the tile enter the kept set where they beat its
-                # smallest member: TOPK rounds of (max, argmax), each masking its pick
+                # smallest member: TOPK rounds of (max, argmax), each masking its pick;
+                # skipped (one scalar test) when no row's best beats its kept set
                 cand = tl.where(valid, a, -1.0)
                 lanes = tl.arange(0, BLOCK_N)
-                for _ in tl.static_range(TOPK):
-                    best = tl.max(cand, 1)
-                    at = tl.argmax(cand, 1)
-                    lowest = tl.min(top_a, 1)
-                    slot = tl.argmin(top_a, 1)
-                    hit = (slots[None, :] == slot[:, None]) & (best > lowest)[:, None]
-                    pick = lanes[None, :] == at[:, None]
-                    signed = tl.sum(tl.where(pick, w, 0.0), 1)
-                    top_a = tl.where(hit, best[:, None], top_a)
-                    top_w = tl.where(hit, signed[:, None], top_w)
-                    top_i = tl.where(hit, (n0 + at)[:, None], top_i)
-                    cand = tl.where(pick, -1.0, cand)
+                if tl.max(tl.max(cand, 1) - tl.min(top_a, 1), 0) > 0:
+                    for _ in tl.static_range(TOPK):
+                        best = tl.max(cand, 1)
+                        at = tl.argmax(cand, 1)
+                        lowest = tl.min(top_a, 1)
+                        slot = tl.argmin(top_a, 1)
+                        hit = (slots[None, :] == slot[:, None]) & (best > lowest)[:, None]
+                        pick = lanes[None, :] == at[:, None]
+                        signed = tl.sum(tl.where(pick, w, 0.0), 1)
+                        top_a = tl.where(hit, best[:, None], top_a)
+                        top_w = tl.where(hit, signed[:, None], top_w)
+                        top_i = tl.where(hit, (n0 + at)[:, None], top_i)
+                        cand = tl.where(pick, -1.0, cand)
     if AXIS == 1:
         cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < num_k
