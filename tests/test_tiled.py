@@ -135,6 +135,59 @@ def test_tile_sizes_triton_cannot_use_are_refused():
         )  # fmt: skip
 
 
+COMPILE = """
+import sys, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from contribution_weights.measures import triton_kernels as tk
+
+kernels = tk.build()
+INTS = {"START", "STOP", "KEY_LO", "KEY_HI", "SPAN_LO", "SPAN_HI", "TOP_I"}
+
+
+def signature(fn, constants):
+    sig = {}
+    for name in fn.arg_names:
+        if name in constants:
+            sig[name] = "constexpr"
+        elif name.isupper():
+            sig[name] = "*i32" if name in INTS else "*fp32"
+        else:
+            sig[name] = "fp32" if name in ("scaling", "softcap") else "i32"
+    return sig
+
+
+def build(fn, constants):
+    src = ASTSource(fn, signature(fn, constants), constants)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32))
+
+
+for d, tile in ((128, 32), (64, 64)):  # the tiles measures/tiled.py picks for those heads
+    tiles = dict(BLOCK_M=tile, BLOCK_N=tile, BLOCK_D=d)
+    build(kernels.forward, dict(SOFTCAP=d == 128, **tiles))
+    for measure, axis, top in ((1, 0, 8), (2, 1, 0), (6, 0, 5)):
+        pad = 1 << max(0, top - 1).bit_length() if top else 1
+        flags = dict(MEASURE=measure, AXIS=axis, SIGNED=measure < 3, SOFTCAP=False)
+        build(kernels.reduce, dict(TOPK=top, TOPK_PAD=pad, **flags, **tiles))
+print("compiled")
+"""
+
+
+def test_the_kernels_compile_for_a_gpu_without_one(tmp_path):
+    """Triton compiles for an H100/H200 (sm_90) with no GPU present: its front end, the
+    NVIDIA backend and the ptxas it ships. The interpreter never compiles, so this is what
+    catches code it accepts and a GPU would not (a fresh process without TRITON_INTERPRET,
+    the tiles and head sizes the launcher uses, each direction, with and without top keys)."""
+    script = tmp_path / "compile.py"
+    script.write_text(COMPILE)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    run = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=900
+    )
+    assert run.returncode == 0 and run.stdout.strip() == "compiled", run.stderr[-3000:]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_compiled_on_a_gpu(tmp_path):
     """Compiled by Triton for the GPU (no interpreter: a fresh process without
