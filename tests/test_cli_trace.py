@@ -73,6 +73,8 @@ def test_trace_layers_measures_and_heads(tiny_folder, tmp_path):
         (["--measures", "attention,nope"], "valid measures: attention"),
         (["--layers", "7"], "out of range"),
         (["--max-tokens", "3"], "--truncate"),
+        (["--kernels", "triton"], "--no-maps"),  # the tiled kernels build no maps
+        (["--kernels", "triton", "--no-maps", "--measures", "distance"], "does not compute"),
     ],
 )
 def test_trace_bad_input_names_the_fix(tiny_folder, tmp_path, capsys, extra, message):
@@ -275,3 +277,18 @@ def test_trace_reads_standard_input(tiny_folder, tmp_path, monkeypatch, dash):
 def test_empty_text_exits_2_before_loading(tmp_path, capsys, no_loading):
     assert main(["trace", "--text", "  \n", "--out", str(tmp_path / "o")]) == 2
     assert "the text is empty" in capsys.readouterr().err
+
+
+def test_trace_with_the_tiled_kernels(tiny_folder, tmp_path):
+    """`cw trace --no-maps --kernels triton` (here in Triton's interpreter) writes the
+    reductions the plain path writes."""
+    base = ["trace", "--text", "abcdefgh", "--model", str(tiny_folder), "--no-maps"]
+    base += ["--no-figures", "--measures", "contribution,vw"]
+    for kernels in ("torch", "triton"):
+        assert main([*base, "--kernels", kernels, "--out", str(tmp_path / kernels)]) == 0
+    plain, tiled = (cw.Trace.load(tmp_path / k) for k in ("torch", "triton"))
+    for name in ("contribution", "vw"):
+        torch.testing.assert_close(
+            tiled.reductions[name].token_sums, plain.reductions[name].token_sums,
+            rtol=1e-4, atol=1e-5,
+        )  # fmt: skip
