@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..capture import LayerBlock, LayerCall
+from ..capture import LayerBlock, LayerCall, rows_per_block
 from ..measures.kernels import BlockSums, compiled_measure_sums, deriver
 from ..measures.layer import Factors, reciprocal
 from ..measures.reductions import (
@@ -318,8 +318,9 @@ class _RankOneFactors:
 
 
 def _row_blocks(call: LayerCall) -> list[slice]:
-    """Blocks of query rows whose ``(rows, keys)`` masks hold at most 2^24 entries."""
-    step = max(1, (1 << 24) // max(1, call.k_len))
+    """Blocks of query rows whose ``(B, rows, keys)`` masks stay within the session's
+    ``block_bytes`` (a mask row per batch row, where a block of scores has one per head)."""
+    step = rows_per_block(call.batch, call.k_len, call.session.block_bytes)
     return [slice(s, min(call.q_len, s + step)) for s in range(0, call.q_len, step)]
 
 
