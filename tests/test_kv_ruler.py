@@ -14,6 +14,7 @@ import re
 from collections import Counter
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -30,6 +31,7 @@ from contribution_weights.kv.ruler import (
     ruler_item,
     string_match_all,
 )
+from contribution_weights.presentation.figures import plot
 
 SPLIT = re.compile(r"(?<=[.!?])\s+|\s*\n+\s*")
 
@@ -275,7 +277,13 @@ def test_kv_eval_runs_a_ruler_task_in_both_settings_and_resumes(
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert config["settings"] == ["query_agnostic", "query_aware"]
     assert config["ruler_tasks"] == ["niah_single"]
-    assert (tmp_path / "run" / "summary_depth.csv").exists()
+    for name in ("summary_depth.csv", "summary_pairs.csv", "summary_ranking.csv"):
+        assert (tmp_path / "run" / name).exists(), name
+    ranking = first.ranking()
+    assert set(ranking["method"]) == {"h2o", "snapkv"} and set(ranking["ratio"]) == {0.5}
+    figure = plot(first)
+    titles = {ax.get_title() for ax in figure.axes if ax.get_title()}
+    assert titles == {"niah_single · query-agnostic · n=2", "niah_single · query-aware · n=2"}
     # a random tiny model cannot do the task: the notes say so
     notes = shortfall(first)
     assert all("cannot do this task" in line for line in notes)
@@ -285,6 +293,43 @@ def test_kv_eval_runs_a_ruler_task_in_both_settings_and_resumes(
     pd.testing.assert_frame_equal(again.summary, summary, check_dtype=False)
     loaded = KVEvalResult.load(tmp_path / "run")
     pd.testing.assert_frame_equal(loaded.summary, summary, check_dtype=False)
+
+
+def test_method_pairs_and_ranking_find_a_known_winner_per_task_and_setting() -> None:
+    """Synthetic rows with a known answer: in niah_single "good" finds every needle and
+    "bad" none, so good beats bad, and the coin flip "coin" loses to good and beats bad
+    (n = 60); in vt every method scores the same, so all tie."""
+    from contribution_weights.experiments.kv_eval import method_pairs, method_ranking
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for task in ("niah_single", "vt"):
+        for i in range(60):
+            rows.append({"item": i, "task": task, "setting": "query_agnostic", "method": "none",
+                         "ratio": 0.0, "accuracy": 1.0})  # fmt: skip
+            coin = float(rng.integers(0, 2))
+            scores = {"good": 1.0, "bad": 0.0, "coin": coin} if task == "niah_single" else {
+                "good": 0.5, "bad": 0.5, "coin": 0.5}  # fmt: skip
+            for method, accuracy in scores.items():
+                rows.append({"item": i, "task": task, "setting": "query_agnostic",
+                             "method": method, "ratio": 0.5, "accuracy": accuracy})  # fmt: skip
+    per_item = pd.DataFrame(rows)
+    pairs = method_pairs(per_item, "ruler")
+    assert "none" not in set(pairs["reference"]) | set(pairs["other"])
+    verdict = {(r.task, r.reference, r.other): r.verdict for r in pairs.itertuples()}
+    assert verdict["niah_single", "good", "bad"] == "reference better"
+    assert verdict["niah_single", "good", "coin"] == "reference better"
+    assert verdict["niah_single", "bad", "coin"] == "other better"
+    assert {v for (task, _, _), v in verdict.items() if task == "vt"} == {"tie"}
+    ranking = method_ranking(per_item, "ruler", pairs).set_index(["task", "method"])
+    assert ranking.loc[("niah_single", "good"), ["wins", "losses"]].tolist() == [2, 0]
+    assert ranking.loc[("niah_single", "bad"), ["wins", "losses"]].tolist() == [0, 2]
+    assert (ranking.loc["vt", "ties"] == 2).all()
+    # language modelling: a lower NLL is the better one
+    lm = per_item[per_item["task"] == "niah_single"].rename(columns={"accuracy": "nll"})
+    lm_pairs = method_pairs(lm.drop(columns=["task", "setting"]), "lm")
+    good_bad = lm_pairs[(lm_pairs["reference"] == "good") & (lm_pairs["other"] == "bad")]
+    assert good_bad["verdict"].item() == "other better"
 
 
 def test_caches_generated_together_give_each_its_own_generation(texts: list[str]) -> None:

@@ -36,6 +36,7 @@ from ..kv.ruler import RulerItem, ruler_items, ruler_scores
 from ..loading import LoadedModel
 from ..runs import fingerprint
 from .options import KVEvalOptions
+from .paired import paired_differences, ranking_table
 from .result import SUMMARY as SUMMARY  # re-exported: the summary file
 from .result import RowsResult, warn_few_samples, write_csv
 from .runner import Experiment, Phase, run_experiment
@@ -46,6 +47,10 @@ DEFAULT_RATIOS = KV_RATIOS
 PER_ITEM = "per_item.csv"
 SUMMARY_DEPTH = "summary_depth.csv"
 SUMMARY_PAIRED = "summary_paired.csv"
+SUMMARY_PAIRS = "summary_pairs.csv"
+SUMMARY_RANKING = "summary_ranking.csv"
+#: is a larger value of the task's metric better?
+HIGHER_IS_BETTER = {"nll": False, "accuracy": True}
 NO_COMPRESSION = "none"
 #: a RULER-like task whose uncompressed accuracy is below this is one the model cannot do
 CANNOT_DO = 0.1
@@ -84,11 +89,26 @@ class KVEvalResult(RowsResult):
         whose spread is mostly how hard each text is."""
         return paired_summary(self.per_item, self.config["task"])
 
+    def pairs(self) -> pd.DataFrame:
+        """Every pair of compression methods on the same items, per ratio (and per RULER
+        task and setting): see :func:`method_pairs`."""
+        return method_pairs(self.per_item, self.config["task"])
+
+    def ranking(self, pairs: pd.DataFrame | None = None) -> pd.DataFrame:
+        """Per ratio (and RULER task and setting) and method: n, mean, s.e. and how many
+        other methods it beats, loses to and ties with by the verdicts of
+        :meth:`pairs` (``pairs``, that table when the caller has it)."""
+        return method_ranking(self.per_item, self.config["task"], pairs)
+
     def write_summary(self, folder: Path) -> None:
-        """``summary.csv``, ``summary_paired.csv`` (and ``summary_depth.csv`` for passkey);
-        the runner's hook at the end of a run."""
+        """``summary.csv``, ``summary_paired.csv``, ``summary_pairs.csv``,
+        ``summary_ranking.csv`` (and ``summary_depth.csv`` for passkey and ruler); the
+        runner's hook at the end of a run."""
         super().write_summary(folder)
         write_csv(Path(folder) / SUMMARY_PAIRED, self.paired())
+        pairs = self.pairs()
+        write_csv(Path(folder) / SUMMARY_PAIRS, pairs)
+        write_csv(Path(folder) / SUMMARY_RANKING, self.ranking(pairs))
         if self.config["task"] in ("passkey", "ruler"):
             write_csv(Path(folder) / SUMMARY_DEPTH, self.by_depth())
 
@@ -143,6 +163,71 @@ def paired_summary(per_item: pd.DataFrame, task: str) -> pd.DataFrame:
         return _ruler_order(out)[cols]
     out["task"] = task
     return out.sort_values(["ratio", "method"], kind="stable")[cols].reset_index(drop=True)
+
+
+PAIRS_COLUMNS = [
+    "task", "setting", "ratio", "reference", "other", "n", "mean", "se", "ci_low",
+    "ci_high", "p", "p_holm", "verdict",
+]  # fmt: skip
+RANKING_COLUMNS = [
+    "task", "setting", "ratio", "method", "n", "mean", "se", "wins", "losses", "ties",
+]  # fmt: skip
+
+
+def _families(per_item: pd.DataFrame, task: str) -> Iterator[tuple[str, str, pd.DataFrame]]:
+    """(task, setting, rows in the paired tests' shape) per table of one Holm family: each
+    RULER task and setting, or the whole run. The compressed rows only (ratio > 0): the
+    uncompressed reference is one row per item, not a method to rank."""
+    rows = per_item[per_item["method"] != NO_COMPRESSION]
+    metric = METRIC[task]
+    if rows.empty:
+        return
+    groups = rows.groupby(["task", "setting"], sort=False) if task == "ruler" else [
+        ((task, ""), rows)]  # fmt: skip
+    for (name, setting), g in groups:
+        frame = g.rename(columns={"item": "seq", "method": "measure", "ratio": "rate"})
+        frame = frame.assign(mode=metric)[["seq", "mode", "rate", "measure", metric]]
+        yield str(name), str(setting), frame
+
+
+def method_pairs(per_item: pd.DataFrame, task: str) -> pd.DataFrame:
+    """Every pair of methods on the same items (:data:`PAIRS_COLUMNS`): per ratio, d =
+    metric(reference) − metric(other) item by item, its mean, s.e., percentile-bootstrap
+    95% interval and paired t-test p, Holm-corrected over every ratio × pair of one table
+    (a RULER task and setting, or the whole run), and the verdict: "tie" unless p_holm <
+    0.05 and the interval excludes 0 (:mod:`.paired`; a lower NLL or a higher accuracy
+    is better). ``setting`` is empty outside RULER."""
+    metric = METRIC[task]
+    parts = []
+    for name, setting, frame in _families(per_item, task):
+        table = paired_differences(frame, None, metric, higher_is_better=HIGHER_IS_BETTER[metric])
+        parts.append(table.assign(task=name, setting=setting).rename(columns={"rate": "ratio"}))
+    if not parts:
+        return pd.DataFrame(columns=PAIRS_COLUMNS)
+    return pd.concat(parts, ignore_index=True)[PAIRS_COLUMNS]
+
+
+def method_ranking(
+    per_item: pd.DataFrame, task: str, pairs: pd.DataFrame | None = None
+) -> pd.DataFrame:
+    """Per ratio (and RULER task and setting) and method (:data:`RANKING_COLUMNS`): n, the
+    mean and s.e. of the metric over items, and the methods it beats (``wins``), loses to
+    and ties with by the verdicts of :func:`method_pairs` (``pairs``, that table)."""
+    metric = METRIC[task]
+    pairs = method_pairs(per_item, task) if pairs is None else pairs
+    parts = []
+    for name, setting, frame in _families(per_item, task):
+        own = pairs[(pairs["task"] == name) & (pairs["setting"] == setting)]
+        own = own.rename(columns={"ratio": "rate"}).assign(mode=metric)
+        table = ranking_table(frame, metric, pairs=own)
+        parts.append(
+            table.assign(task=name, setting=setting).rename(
+                columns={"rate": "ratio", "ranking": "method"}
+            )
+        )
+    if not parts:
+        return pd.DataFrame(columns=RANKING_COLUMNS)
+    return pd.concat(parts, ignore_index=True)[RANKING_COLUMNS]
 
 
 def ruler_summary(per_item: pd.DataFrame, by: Sequence[str] = ()) -> pd.DataFrame:

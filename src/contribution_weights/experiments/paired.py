@@ -191,13 +191,17 @@ def paired_differences(
     *,
     resamples: int = RESAMPLES,
     seed: int = SEED,
+    higher_is_better: bool | None = None,
 ) -> pd.DataFrame:
     """Per (mode, rate) and each other ranking, the paired differences d_s =
     metric(reference) − metric(other) over the sequences both were scored on
     (:data:`PAIRED_COLUMNS`; test, interval, Holm family and verdict in the module
     docstring). ``reference=None`` compares every pair of rankings (the first in order of
     appearance is the pair's ``reference``), Holm over all of them per mode. Random seeds
-    are pooled as ``random``. A ``reference`` that was not run is refused."""
+    are pooled as ``random``. A ``reference`` that was not run is refused.
+    ``higher_is_better`` decides the verdicts' direction for every mode (for a metric
+    other than the removal modes', e.g. an accuracy); by default each mode's own
+    (:data:`HIGHER_IS_BETTER`)."""
     if per_sequence.empty:
         return pd.DataFrame(columns=PAIRED_COLUMNS)
     rows = pool_seeds(per_sequence, "seq", [metric])
@@ -226,7 +230,12 @@ def paired_differences(
     for _, idx in frame.groupby("mode", sort=False).groups.items():
         frame.loc[idx, "p_holm"] = holm(frame.loc[idx, "p"].to_numpy(float))
     frame["verdict"] = [
-        _verdict(r.mean, r.p_holm, bool(r.ci_low > 0 or r.ci_high < 0), _direction(r.mode))
+        _verdict(
+            r.mean,
+            r.p_holm,
+            bool(r.ci_low > 0 or r.ci_high < 0),
+            _direction(r.mode) if higher_is_better is None else higher_is_better,
+        )
         for r in frame.itertuples()
     ]
     return frame[PAIRED_COLUMNS]
@@ -238,16 +247,23 @@ def ranking_table(
     *,
     resamples: int = RESAMPLES,
     seed: int = SEED,
+    higher_is_better: bool | None = None,
+    pairs: pd.DataFrame | None = None,
 ) -> pd.DataFrame:
     """Per (mode, rate, ranking): n, the mean and standard error of ``metric`` over
     sequences, and how many other rankings it beats (``wins``), loses to (``losses``)
     and ties with (``ties``) by the verdicts of every pair (:func:`paired_differences`
-    with ``reference=None``: Holm over all rates × pairs of one mode). Random seeds are
-    pooled as ``random`` (its mean and s.e. are over the per-sequence seed means)."""
+    with ``reference=None``: Holm over all rates × pairs of one mode; ``pairs``, that
+    table when the caller has it already). Random seeds are pooled as ``random`` (its
+    mean and s.e. are over the per-sequence seed means)."""
     if per_sequence.empty:
         return pd.DataFrame(columns=RANKING_COLUMNS)
     rows = pool_seeds(per_sequence, "seq", [metric])
-    pairs = paired_differences(per_sequence, None, metric, resamples=resamples, seed=seed)
+    if pairs is None:
+        pairs = paired_differences(
+            per_sequence, None, metric, resamples=resamples, seed=seed,
+            higher_is_better=higher_is_better,
+        )  # fmt: skip
     tally: dict[tuple[str, float, str], list[int]] = {}
     for r in pairs.itertuples():
         for name, won in ((r.reference, REFERENCE_BETTER), (r.other, OTHER_BETTER)):

@@ -1,6 +1,6 @@
 """Figures of ``cw kv-eval``: the task's metric against compression ratio, a line per method,
 with the paired differences (language modelling) or the accuracy per needle depth (passkey)
-beside it.
+beside it; for the RULER-like suite a panel per task and setting.
 
 Inputs are the summary DataFrames the experiment writes (``summary.csv``), never models.
 The ratio-0 point (no compression, method ``none``) starts every method's line.
@@ -74,6 +74,46 @@ def plot_kv(
     return finish(fig, path, title, dpi=130, fontsize=10)
 
 
+def plot_ruler(
+    summary: pd.DataFrame, path: str | Path | None = None, title: str | None = None
+) -> Any:
+    """RULER-like accuracy against ratio: a panel per task (columns) and setting (rows), a
+    line per method (± 1 s.e.) starting at the uncompressed accuracy (ratio 0, method
+    ``none``), which a dotted black line carries across the panel: compressing cannot be
+    expected to do better than the model does on the whole context, and a task whose
+    line sits near 0 is one the model cannot do."""
+    tasks = list(dict.fromkeys(summary["task"]))
+    settings = list(dict.fromkeys(summary["setting"]))
+    if not tasks:
+        raise ValueError("the summary has no rows to plot")
+    fig, grid = plt.subplots(
+        len(settings), len(tasks) + 1, figsize=(4.0 * len(tasks) + 2.2, 3.4 * len(settings)),
+        squeeze=False, gridspec_kw={"width_ratios": [1.0] * len(tasks) + [0.55]},
+    )  # fmt: skip
+    axes = grid[:, :-1]
+    for r, setting in enumerate(settings):
+        for c, task in enumerate(tasks):
+            ax = axes[r, c]
+            cell = summary[(summary["task"] == task) & (summary["setting"] == setting)]
+            _lines(ax, cell, "accuracy_mean", "accuracy_se")
+            base = cell.loc[cell["method"] == "none", "accuracy_mean"]
+            if not base.empty:
+                ax.axhline(float(base.iloc[0]), color="black", linewidth=0.9, linestyle=":")
+            n = int(cell["n"].max()) if not cell.empty else 0
+            ax.set_title(f"{task} · {setting.replace('_', '-')} · n={n}", fontsize=9)
+            ax.set_ylim(-0.05, 1.05)
+            ax.grid(alpha=0.3)
+            if r == len(settings) - 1:
+                ax.set_xlabel("compression ratio")
+            if c == 0:
+                ax.set_ylabel("accuracy (string match)")
+    for ax in grid[:, -1]:
+        ax.axis("off")
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    grid[0, -1].legend(handles, labels, loc="upper left", fontsize=7, frameon=False)
+    return finish(fig, path, title, dpi=130, fontsize=10)
+
+
 def _lines(ax: Any, frame: pd.DataFrame, mean: str, se: str, x: str = "ratio") -> None:
     """A line per method against ``x``. Against ratio every line starts at the ratio-0
     point (method ``none``); against anything else ``none`` is a line of its own, in black."""
@@ -104,12 +144,15 @@ def _lines(ax: Any, frame: pd.DataFrame, mean: str, se: str, x: str = "ratio") -
 
 def kv_eval_figure(result: KVEvalResult, path: str | Path | None = None) -> Any:
     """The figure of a kv-eval result: the metric against ratio, with the paired
-    differences (language modelling) or the accuracy per needle depth (passkey)."""
+    differences (language modelling), the accuracy per needle depth (passkey) or a panel
+    per task and setting (ruler)."""
     c = result.config
     summary = result.summary
     n = int(summary["n"].max()) if not summary.empty else 0
     title = f"{c['model']} · {c['source']} · C={c['context_tokens']} · n={n}"
     metric = METRIC[c["task"]]
+    if c["task"] == "ruler":
+        return plot_ruler(summary, path=path, title=f"{c['model']} · C={c['context_tokens']}")
     if c["task"] != "passkey":
         return plot_kv(summary, metric, path=path, title=title, paired=result.paired())
     ratios = sorted(r for r in summary["ratio"].unique() if r > 0)
