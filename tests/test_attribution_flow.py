@@ -36,7 +36,7 @@ from reference_flow import (
 from tiny_models import FAMILIES, CharTokenizer, config_for, tiny_model
 
 from contribution_weights import LoadedModel
-from contribution_weights.attribution.flow import FlowOutput, forward_factors, propagate
+from contribution_weights.attribution.flow import RULES, FlowOutput, forward_factors, propagate
 from contribution_weights.attribution.targets import Target, targets_for
 
 F64 = torch.float64
@@ -381,3 +381,28 @@ def test_layer_breakdown_sums_to_the_attribution(family):
     assert parts.shape == (2 * len(fwd.layers) + 1, 8)
     torch.testing.assert_close(parts.sum(0), out.scores[0], atol=1e-10, rtol=1e-10)
     assert parts[-1].count_nonzero() == 1  # the embedding's term sits at the target
+
+
+# ---- 7. whole-text token scores (the removal sweeps' end-to-end rankings) --------------------
+@pytest.mark.parametrize("limit", [None, 6])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt2"])
+def test_token_flow_scores_are_the_mean_of_every_later_positions_flow(family, limit):
+    """s_j = mean over positions j ≤ i < limit of position i's pure flow on token j, each
+    row built by the naive reference (flow, rollout, ALTI); positions ≥ limit score 0."""
+    from contribution_weights.attribution.flow import token_flow_scores
+
+    loaded = model_for(family)
+    run = eager_flow_run(loaded.model, IDS)
+    stop = T if limit is None else limit
+    got = token_flow_scores(loaded, IDS, RULES, limit=limit, dtype=F64)
+    naive = {"flow": pure_flow, "rollout": rollout, "alti": alti}
+    for rule in RULES:
+        rows = torch.zeros(stop, T, dtype=F64)
+        for i in range(stop):
+            rows[i] = naive[rule](run, i)
+        expected = torch.zeros(T, dtype=F64)
+        expected[:stop] = rows.sum(0)[:stop] / torch.arange(stop, 0, -1, dtype=F64)
+        assert got[rule].shape == (T,)
+        assert_scores(got[rule], expected, f"{family} {rule} limit={limit}")
+    with pytest.raises(ValueError, match="unknown mixing rule"):
+        token_flow_scores(loaded, IDS, ["attention"])

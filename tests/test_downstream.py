@@ -296,3 +296,29 @@ def test_cli_downstream_reads_the_users_own_items(tmp_path, monkeypatch, capsys)
     with pytest.raises(SystemExit):  # one source of items, not two
         main(["downstream", "--task", "boolq", "--items", str(f), "--data-dir", str(tmp_path),
               "--out", str(tmp_path / "o3")])  # fmt: skip
+
+
+def test_end_to_end_rankings_score_the_prompt_alone():
+    """The flow baseline of a downstream item reads the prompt only (its queries and keys):
+    the options that follow never change which prompt tokens it removes, and it runs in a
+    downstream sweep beside the measures."""
+    from contribution_weights.interventions import end_to_end_scores, token_logprobs
+
+    lm = tiny_model("llama")
+    prompt, options = encode_item(lm, ITEMS[0])
+    p = len(prompt)
+    on_prompt = end_to_end_scores(lm, torch.tensor(prompt), ["flow"])["flow"]
+    width = p + max(len(o) for o in options)
+    ids = torch.full((len(options), width), prompt[0])
+    for r, o in enumerate(options):
+        ids[r, : p + len(o)] = torch.tensor([*prompt, *o])
+    limited = end_to_end_scores(lm, ids[1], ["flow"], eligible_len=p)["flow"]
+    torch.testing.assert_close(limited[:p], on_prompt, rtol=1e-6, atol=1e-7)
+    assert not limited[p:].any()
+    removals = [Removal("flow", "sufficiency", 0.5)] * len(options)
+    default = token_logprobs(lm, ids, removals, eligible_len=p)  # computes them itself
+    given = token_logprobs(lm, ids, removals, eligible_len=p, fixed_scores={"flow": limited})
+    torch.testing.assert_close(default, given)
+    res = downstream(lm, ITEMS, task="toy", measures=["ihc"], rates=[0.5], baselines="flow",
+                     progress=False)  # fmt: skip
+    assert set(res.per_item["measure"]) == {"ihc", "flow"}

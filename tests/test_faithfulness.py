@@ -709,3 +709,37 @@ def test_baselines_rank_like_measures():
         faithfulness(lm, [TEXT], baselines="oracle", progress=False)
     with pytest.raises(ValueError, match="random:SEED"):
         SequentialRemoval([Removal("random:x", "comprehensiveness", 0.5)])
+
+
+def test_end_to_end_rankings_run_as_baselines():
+    """flow, rollout and alti rank every layer and head by the clean text's end-to-end token
+    scores (token_flow_scores): the removed tokens are the top eligible ones by those scores,
+    the same in every layer; a sweep runs them beside the measures, in both scopes; without
+    its scores a removal asks for them."""
+    import numpy as np
+
+    from contribution_weights.attribution.flow import token_flow_scores
+    from contribution_weights.interventions import end_to_end_scores
+
+    lm = tiny_model("llama")
+    ids = _ids()
+    fixed = end_to_end_scores(lm, ids, ["recency", "flow", "rollout"])
+    assert set(fixed) == {"flow", "rollout"}
+    assert torch.equal(fixed["flow"], token_flow_scores(lm, ids, ["flow"])["flow"])
+    rows = [Removal(m, "comprehensiveness", 0.5) for m in ("flow", "rollout")]
+    history, _ = _run_history(lm, rows, ids, fixed_scores=fixed)
+    for rec in history.values():
+        for b, name in enumerate(("flow", "rollout")):
+            eligible = rec.eligible[b].nonzero().flatten()
+            k = int(np.ceil(0.5 * len(eligible)))
+            top = eligible[fixed[name][eligible].argsort(descending=True, stable=True)[:k]]
+            want = torch.zeros(ids.numel(), dtype=torch.bool)
+            want[top] = True
+            assert (rec.removed[b] == want).all(), name  # every head alike
+    with pytest.raises(ValueError, match="end-to-end scores"):
+        _run_history(lm, rows, ids)
+    for scope in ("layer", "global"):
+        res = faithfulness(lm, [TEXT, TEXT[::-1]], measures=["ihc"], rates=[0.2],
+                           baselines="flow,alti", scope=scope, progress=False)  # fmt: skip
+        assert list(dict.fromkeys(res.per_sequence.measure)) == ["ihc", "flow", "alti"]
+        assert res.per_sequence["delta_nll"].notna().all()

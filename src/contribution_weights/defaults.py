@@ -33,6 +33,10 @@ MODES = ("comprehensiveness", "sufficiency")
 INTERVENTIONS = ("value_zero", "key_mask", "mean_value")
 SCOPES = ("layer", "global")
 SINK_COSINE = 0.95
+#: end-to-end rankings a removal sweep can run as baselines: one score per token for the
+#: whole text (the composed flow of every position's final state), the same in every layer
+#: and head (``attribution.flow.token_flow_scores``)
+END_TO_END_RANKINGS = ("flow", "rollout", "alti")
 
 #: KV-cache evaluation (``experiments.kv_eval``): its tasks and compression ratios
 KV_TASKS = ("lm", "passkey", "ruler")

@@ -607,3 +607,42 @@ def layer_breakdown(
     embed = torch.zeros(1, stop, dtype=dt, device=r.device)
     embed[0, p] = (w[k] * fwd.x0_rows[k]).sum()
     return torch.cat([by_origin[:, 0], by_origin[:, 1], embed])
+
+
+def token_flow_scores(
+    model: LoadedModel,
+    ids: Tensor,
+    rules: Sequence[str] = ("flow",),
+    *,
+    limit: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    block_bytes: int = 32 * 1024**2,
+) -> dict[str, Tensor]:
+    """Per rule, ``(T,)`` end-to-end token scores for a whole text, from one forward:
+    ``s_j = Σ_{j ≤ i < limit} R_ij / (limit − j)``, the mean over the queries i ≥ j (as the
+    measures' token scores average, method §4) of the pure flow R_ij of token j into
+    position i's final state (``quantity="flow"`` at every position). R is never built:
+    ``Σ_i R_ij`` is one row vector ``1_{[0, limit)}`` carried from the top layer down
+    (``u ← u A^l``), so every rule costs one single-target pass. Positions ``≥ limit`` (a
+    downstream item's options) score 0."""
+    for rule in rules:
+        if rule not in RULES:
+            raise ValueError(f"unknown mixing rule {rule!r}; choose one of {', '.join(RULES)}")
+    t = int(ids.shape[-1])
+    stop = t if limit is None else max(1, min(t, int(limit)))
+    target = [Target(position=stop - 1, quantity="flow")]
+    fwd, _ = forward_factors(
+        model, ids[..., :stop], target, dtype=dtype, keep_states="alti" in rules,
+        block_bytes=block_bytes,
+    )  # fmt: skip
+    device = fwd.final_x.device
+    counts = torch.arange(stop, 0, -1, dtype=dtype, device=device)  # limit − j
+    out = {}
+    for rule in dict.fromkeys(rules):
+        u = torch.ones(1, stop, dtype=dtype, device=device)
+        for f in reversed(fwd.layers):
+            u = mix(rule, f, u, block_bytes)
+        scores = torch.zeros(t, dtype=dtype, device=device)
+        scores[:stop] = u[0] / counts
+        out[rule] = scores
+    return out

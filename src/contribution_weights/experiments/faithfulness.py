@@ -24,6 +24,7 @@ from ..interventions import (
     DEFAULT_MEMORY_BYTES,
     MODES,
     SINK_COSINE,
+    end_to_end_scores,
     global_thresholds,
     mean_nll,
     token_logprobs,
@@ -68,6 +69,8 @@ def sequence_rows(
 ) -> list[dict[str, Any]]:
     """One row per configuration of one sequence ``ids`` ``(T,)``: ppl, nll and their deltas."""
     removals = options.removals()
+    # the end-to-end rankings' scores (flow, rollout, alti), once per text for both passes
+    fixed = end_to_end_scores(model, ids, [r.measure for r in removals if r.measure])
     if options.scope == "global":
         removals = global_thresholds(
             model.model,
@@ -75,6 +78,7 @@ def sequence_rows(
             removals,
             protect_sinks=options.protect_sinks,
             sink_cosine=options.sink_cosine,
+            fixed_scores=fixed,
         )
     rows = [CLEAN, *removals]
     logp = token_logprobs(
@@ -87,6 +91,7 @@ def sequence_rows(
         batch_size=batch_size,
         memory_bytes=memory_bytes,
         how=options.intervention,
+        fixed_scores=fixed,
     )
     nll = mean_nll(logp)
     nll_clean = float(nll[0])

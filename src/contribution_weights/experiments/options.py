@@ -25,6 +25,7 @@ from ..defaults import (
     ATTRIBUTION_METHODS,
     ATTRIBUTION_RATES,
     ATTRIBUTION_TASKS,
+    END_TO_END_RANKINGS,
     INTERVENTIONS,
     KV_RATIOS,
     KV_TASKS,
@@ -49,6 +50,8 @@ from ..fields import split_names as split_names
 DEFAULT_MEASURES = ("attention", "vw", "vw_on", "ihc")
 #: rankings that read no measure: seeded uniform scores, and the latest tokens first
 BASELINES = ("random", "recency")
+#: what a removal sweep may run as baselines: those, and the end-to-end attributions
+REMOVAL_BASELINES = (*BASELINES, *END_TO_END_RANKINGS)
 DEFAULT_RATES = (0.1, 0.2, 0.3, 0.4, 0.5)
 DEFAULT_GAMMAS = (1.0, 0.8, 0.6, 0.4, 0.2, 0.0)
 SINK_LAYER_THRESHOLD = 0.5
@@ -92,7 +95,9 @@ class RemovalOptions(Options):
     baselines: list[str] = option(
         ("random", "recency"),
         "baselines ranked like the measures: random (seeded uniform, --random-seeds of "
-        "them), recency (the latest tokens first); none for no baseline",
+        "them), recency (the latest tokens first), and the end-to-end attributions flow, "
+        "rollout, alti (one score per token from the clean text, the same in every layer "
+        "and head); none for no baseline",
         flag="--baselines", parse="names",
     )  # fmt: skip
     random_seeds: int = option(
@@ -111,7 +116,9 @@ class RemovalOptions(Options):
         self.rates = check_rates(self.rates)
         self.sink_cosine = check_sink_cosine(self.sink_cosine)
         self.protect_sinks = bool(self.protect_sinks)
-        self.baselines, self.random_seeds = check_baselines(self.baselines, self.random_seeds)
+        self.baselines, self.random_seeds = check_baselines(
+            self.baselines, self.random_seeds, REMOVAL_BASELINES
+        )
         if self.intervention not in INTERVENTIONS:
             raise ValueError(
                 f"unknown intervention {self.intervention!r}; choose from "
@@ -191,14 +198,15 @@ def check_settings(settings: Any) -> list[str]:
     return [s for s in RULER_SETTINGS if s in names]
 
 
-def check_baselines(baselines: Any, random_seeds: Any) -> tuple[list[str], int]:
-    """Distinct known baseline names (``none`` dropped) and a seed count of at least 1."""
+def check_baselines(
+    baselines: Any, random_seeds: Any, known: Sequence[str] = BASELINES
+) -> tuple[list[str], int]:
+    """Distinct baseline names among ``known`` (``none`` dropped) and a seed count of at
+    least 1."""
     names = [b for b in split_names(baselines) if b != "none"]
     for b in names:
-        if b not in BASELINES:
-            raise ValueError(
-                f"unknown baseline {b!r}; choose from {', '.join(BASELINES)} (or none)"
-            )
+        if b not in known:
+            raise ValueError(f"unknown baseline {b!r}; choose from {', '.join(known)} (or none)")
     if int(random_seeds) < 1:
         raise ValueError(f"random_seeds must be at least 1, got {random_seeds}")
     return list(dict.fromkeys(names)), int(random_seeds)

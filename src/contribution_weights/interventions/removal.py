@@ -30,8 +30,9 @@ is removed from a head when its current score is above (comprehensiveness) or be
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -39,6 +40,7 @@ from torch import Tensor, nn
 
 from ..capture import AttentionEdit, LayerBlock, LayerCall, capturing
 from ..defaults import (  # light: the CLI shows them before torch
+    END_TO_END_RANKINGS,
     INTERVENTIONS,
     MODES,
     SCOPES,
@@ -49,20 +51,41 @@ from ..measures.layer import LayerTensors
 from ..measures.registry import get_measure
 from .sinks import SinkTracker, tracking_sinks
 
+if TYPE_CHECKING:
+    from ..loading import LoadedModel
+
 
 # ---- baselines: rankings that read no measure ---------------------------------------------
-def baseline_scores(name: str, call: LayerCall, n: int, salt: int = 0) -> Tensor | None:
+def baseline_scores(
+    name: str,
+    call: LayerCall,
+    n: int,
+    salt: int = 0,
+    fixed: Mapping[str, Tensor] | None = None,
+) -> Tensor | None:
     """``(n, H, T)`` token scores of a baseline ranking, or None when ``name`` is a measure.
 
     ``random:SEED``: uniform scores drawn per (layer, head, token) from ``SEED``, the layer
     and ``salt`` (a fingerprint of the sequence, :func:`sequence_salt`), so each layer and
     each text ranks afresh and a run is reproducible; ``recency``: the position, so the
-    latest tokens rank as most important. Baselines rank like measures (the same
-    eligibility, modes, rates and scopes) and say how much of a measure's effect any
-    ranking gets.
+    latest tokens rank as most important; ``flow``, ``rollout``, ``alti``
+    (:data:`~...defaults.END_TO_END_RANKINGS`): the text's end-to-end token scores from
+    ``fixed`` (computed once on the clean text, :func:`end_to_end_scores`), the same in
+    every layer and head. Baselines rank like measures (the same eligibility, modes, rates
+    and scopes) and say how much of a measure's effect any ranking gets.
     """
     h, t = call.num_heads, call.k_len
     device = call.query.device
+    if name in END_TO_END_RANKINGS:
+        if fixed is None or name not in fixed:
+            raise ValueError(
+                f"the {name} ranking needs the text's end-to-end scores: pass "
+                "fixed_scores=end_to_end_scores(model, ids, [...]) (token_logprobs does)"
+            )
+        scores = torch.zeros(t, device=device, dtype=torch.float32)
+        given = fixed[name].to(device, torch.float32)[:t]
+        scores[: given.numel()] = given
+        return scores.expand(n, h, t).clone()
     if name == "recency":
         return torch.arange(t, device=device, dtype=torch.float32).expand(n, h, t).clone()
     if name.startswith("random:"):
@@ -82,9 +105,28 @@ def sequence_salt(ids: Tensor | Sequence[int]) -> int:
     return int(digest[:12], 16)
 
 
+def end_to_end_scores(
+    model: LoadedModel,
+    ids: Tensor,
+    names: Sequence[str],
+    eligible_len: int | None = None,
+) -> dict[str, Tensor]:
+    """The end-to-end rankings among ``names`` (``flow``, ``rollout``, ``alti``), each
+    ``(T,)`` token scores of the clean text ``ids`` ``(T,)`` over its scoring queries
+    ``i < eligible_len`` (:func:`~..attribution.flow.token_flow_scores`, one forward for
+    all of them); ``{}`` when ``names`` has none."""
+    rules = [n for n in dict.fromkeys(names) if n in END_TO_END_RANKINGS]
+    if not rules:
+        return {}
+    from ..attribution.flow import token_flow_scores  # the attribution package is heavier
+
+    return token_flow_scores(model, ids.to(model.device), rules, limit=eligible_len)
+
+
 def check_ranking(name: str) -> None:
-    """A registered measure, ``recency`` or ``random:SEED``; else a clear ValueError."""
-    if name == "recency":
+    """A registered measure, ``recency``, ``random:SEED`` or an end-to-end ranking
+    (:data:`~...defaults.END_TO_END_RANKINGS`); else a clear ValueError."""
+    if name == "recency" or name in END_TO_END_RANKINGS:
         return
     if name.startswith("random:"):
         seed = name.partition(":")[2]
@@ -161,6 +203,8 @@ class SequentialRemoval:
             (its value replaced by the mean value the query sees).
         salt: a fingerprint of the sequence (:func:`sequence_salt`) for the random
             baselines, so each text gets its own random ranking.
+        fixed_scores: the text's end-to-end token scores per ranking name
+            (:func:`end_to_end_scores`), for the ``flow``, ``rollout`` and ``alti`` rankings.
     """
 
     def __init__(
@@ -176,6 +220,7 @@ class SequentialRemoval:
         keep_history: bool = False,
         how: str = "value_zero",
         salt: int = 0,
+        fixed_scores: Mapping[str, Tensor] | None = None,
     ) -> None:
         if scope not in SCOPES:
             raise ValueError(f"unknown scope {scope!r}; choose one of {', '.join(SCOPES)}")
@@ -185,6 +230,7 @@ class SequentialRemoval:
             )
         self.how = how
         self.salt = salt
+        self.fixed_scores = dict(fixed_scores or {})
         if scope == "global" and any(r.measure and r.threshold is None for r in removals):
             raise ValueError("global scope needs a threshold per removal (global_thresholds)")
         self.removals = list(removals)
@@ -210,7 +256,7 @@ class SequentialRemoval:
     def token_scores(self, call: LayerCall, rows: Sequence[int], measure: str) -> Tensor:
         """``(len(rows), H, T)``: s_j = mean over scoring queries i ≥ j of the measure (a
         baseline's own scores for ``recency`` and ``random:SEED``)."""
-        baseline = baseline_scores(measure, call, len(rows), self.salt)
+        baseline = baseline_scores(measure, call, len(rows), self.salt, self.fixed_scores)
         if baseline is not None:
             return baseline.to(self.compute_dtype)
         idx = torch.tensor(list(rows), device=call.query.device)
@@ -308,11 +354,13 @@ def global_thresholds(
     sink_cosine: float = SINK_COSINE,
     compute_dtype: torch.dtype = torch.float32,
     salt: int | None = None,
+    fixed_scores: Mapping[str, Tensor] | None = None,
 ) -> list[Removal]:
     """Removals with their global threshold, from one clean forward of ``input_ids`` ``(T,)``.
 
     ``salt`` seeds the random baselines (default: :func:`sequence_salt` of ``input_ids``, as
-    :func:`~.batching.token_logprobs` uses for the same sequence).
+    :func:`~.batching.token_logprobs` uses for the same sequence); ``fixed_scores`` holds
+    the end-to-end rankings' scores (:func:`end_to_end_scores`).
 
     All (layer, head, eligible token) token scores of each measure in the clean pass are
     pooled; comprehensiveness at rate p uses their (1 − p)-quantile, sufficiency the
@@ -329,6 +377,7 @@ def global_thresholds(
         compute_dtype=compute_dtype,
         keep_history=True,
         salt=sequence_salt(input_ids) if salt is None else salt,
+        fixed_scores=fixed_scores,
     )
     with torch.no_grad(), tracking_sinks(model, sink_cosine) as sinks:
         probe.sinks = sinks
@@ -361,6 +410,7 @@ __all__ = [
     "baseline_scores",
     "check_ranking",
     "column_sums_of",
+    "end_to_end_scores",
     "global_thresholds",
     "removal_count",
     "sequence_salt",
