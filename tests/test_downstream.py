@@ -302,7 +302,8 @@ def test_end_to_end_rankings_score_the_prompt_alone():
     """The flow baseline of a downstream item reads the prompt only (its queries and keys):
     the options that follow never change which prompt tokens it removes, and it runs in a
     downstream sweep beside the measures."""
-    from contribution_weights.interventions import end_to_end_scores, token_logprobs
+    from contribution_weights.attribution.flow import end_to_end_scores
+    from contribution_weights.interventions import token_logprobs
 
     lm = tiny_model("llama")
     prompt, options = encode_item(lm, ITEMS[0])
@@ -316,9 +317,11 @@ def test_end_to_end_rankings_score_the_prompt_alone():
     torch.testing.assert_close(limited[:p], on_prompt, rtol=1e-6, atol=1e-7)
     assert not limited[p:].any()
     removals = [Removal("flow", "sufficiency", 0.5)] * len(options)
-    default = token_logprobs(lm, ids, removals, eligible_len=p)  # computes them itself
-    given = token_logprobs(lm, ids, removals, eligible_len=p, fixed_scores={"flow": limited})
-    torch.testing.assert_close(default, given)
+    with pytest.raises(ValueError, match="end-to-end scores"):
+        token_logprobs(lm, ids, removals, eligible_len=p)
+    removed = token_logprobs(lm, ids, removals, eligible_len=p, fixed_scores={"flow": limited})
+    clean = token_logprobs(lm, ids, [CLEAN] * len(options), eligible_len=p)
+    assert not torch.equal(removed, clean)
     res = downstream(lm, ITEMS, task="toy", measures=["ihc"], rates=[0.5], baselines="flow",
                      progress=False)  # fmt: skip
     assert set(res.per_item["measure"]) == {"ihc", "flow"}

@@ -718,12 +718,11 @@ def test_end_to_end_rankings_run_as_baselines():
     its scores a removal asks for them."""
     import numpy as np
 
-    from contribution_weights.attribution.flow import token_flow_scores
-    from contribution_weights.interventions import end_to_end_scores
+    from contribution_weights.attribution.flow import end_to_end_scores, token_flow_scores
 
     lm = tiny_model("llama")
     ids = _ids()
-    fixed = end_to_end_scores(lm, ids, ["recency", "flow", "rollout"])
+    fixed = end_to_end_scores(lm, ids, ["recency", "flow", None, "rollout"])
     assert set(fixed) == {"flow", "rollout"}
     assert torch.equal(fixed["flow"], token_flow_scores(lm, ids, ["flow"])["flow"])
     rows = [Removal(m, "comprehensiveness", 0.5) for m in ("flow", "rollout")]

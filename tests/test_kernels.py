@@ -99,7 +99,7 @@ def test_a_zero_output_row_leaves_the_base_measures_top_keys_alone(monkeypatch):
     plain path does. Here o_i is zeroed for the first query of every block."""
     from contribution_weights.measures import layer as M
 
-    whole = M.LayerTensors.__dict__["output"].func
+    whole = M.LayerVectors.__dict__["output"].func
 
     def first_row_zero(self):
         out = whole(self).clone()

@@ -646,3 +646,19 @@ def token_flow_scores(
         scores[:stop] = u[0] / counts
         out[rule] = scores
     return out
+
+
+def end_to_end_scores(
+    model: LoadedModel,
+    ids: Tensor,
+    names: Sequence[str | None],
+    eligible_len: int | None = None,
+) -> dict[str, Tensor]:
+    """What a removal sweep's end-to-end rankings among ``names`` (``flow``, ``rollout``,
+    ``alti``; other names are skipped) rank by: each ``(T,)`` token scores of the clean
+    text ``ids`` ``(T,)`` over its scoring queries ``i < eligible_len``
+    (:func:`token_flow_scores`, one forward for all of them); ``{}`` when there are none."""
+    rules = [n for n in dict.fromkeys(names) if n in RULES]
+    if not rules:
+        return {}
+    return token_flow_scores(model, ids.to(model.device), rules, limit=eligible_len)

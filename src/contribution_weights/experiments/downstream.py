@@ -20,6 +20,7 @@ from typing import Any
 import pandas as pd
 import torch
 
+from ..attribution.flow import end_to_end_scores
 from ..data import ChoiceItem
 from ..interventions import (
     CLEAN,
@@ -115,6 +116,8 @@ def option_scores(
     """
     p = len(prompt)
     salt = sequence_salt(prompt)
+    # the end-to-end rankings read the prompt alone, whatever option follows it
+    fixed = end_to_end_scores(model, torch.tensor(list(prompt)), [r.measure for r in removals])
 
     def logprobs(ids: torch.Tensor, rows: list[Removal], last: bool = False) -> torch.Tensor:
         return token_logprobs(
@@ -129,6 +132,7 @@ def option_scores(
             last=last,
             how=how,
             salt=salt,  # one random ranking per item, whatever option follows the prompt
+            fixed_scores=fixed,
         )
 
     if all(len(o) == 1 for o in options):

@@ -18,13 +18,13 @@ from typing import Any
 import pandas as pd
 from torch import Tensor
 
+from ..attribution.flow import end_to_end_scores
 from ..inputs import encode
 from ..interventions import (
     CLEAN,
     DEFAULT_MEMORY_BYTES,
     MODES,
     SINK_COSINE,
-    end_to_end_scores,
     global_thresholds,
     mean_nll,
     token_logprobs,
@@ -70,7 +70,7 @@ def sequence_rows(
     """One row per configuration of one sequence ``ids`` ``(T,)``: ppl, nll and their deltas."""
     removals = options.removals()
     # the end-to-end rankings' scores (flow, rollout, alti), once per text for both passes
-    fixed = end_to_end_scores(model, ids, [r.measure for r in removals if r.measure])
+    fixed = end_to_end_scores(model, ids, [r.measure for r in removals])
     if options.scope == "global":
         removals = global_thresholds(
             model.model,

@@ -28,7 +28,7 @@ from torch import Tensor
 from ..capture import Intervention, capturing, check_all_layers_seen
 from ..defaults import SINK_COSINE  # light: the CLI shows it before torch
 from ..loading import LoadedModel
-from .removal import Removal, SequentialRemoval, end_to_end_scores, sequence_salt
+from .removal import Removal, SequentialRemoval, sequence_salt
 from .sinks import tracking_sinks
 
 DEFAULT_MEMORY_BYTES = 3 * 1024**3
@@ -116,9 +116,9 @@ def token_logprobs(
     results do not depend on it beyond float rounding. ``how``: how a removed token leaves
     a head (:class:`~.removal.SequentialRemoval`). ``salt`` seeds the random baselines per
     text (default: a fingerprint of the first row's ids). ``fixed_scores``: the end-to-end
-    rankings' token scores (default: computed from the first row's first ``eligible_len``
-    ids when a removal asks for ``flow``, ``rollout`` or ``alti``,
-    :func:`~.removal.end_to_end_scores`).
+    rankings' token scores, which removals of ``flow``, ``rollout`` or ``alti`` need
+    (:func:`~..attribution.flow.end_to_end_scores` of the first row's first
+    ``eligible_len`` ids).
     """
     if input_ids.ndim != 2 or input_ids.shape[0] != len(removals):
         raise ValueError(
@@ -127,9 +127,6 @@ def token_logprobs(
         )
 
     text_salt = sequence_salt(input_ids[0]) if salt is None else salt
-    if fixed_scores is None:
-        names = [r.measure for r in removals if r.measure is not None]
-        fixed_scores = end_to_end_scores(model, input_ids[0], names, eligible_len)
 
     @contextmanager
     def removal_for(rows: slice) -> Iterator[Intervention | None]:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -51,9 +50,6 @@ from ..measures.layer import LayerTensors
 from ..measures.registry import get_measure
 from .sinks import SinkTracker, tracking_sinks
 
-if TYPE_CHECKING:
-    from ..loading import LoadedModel
-
 
 # ---- baselines: rankings that read no measure ---------------------------------------------
 def baseline_scores(
@@ -70,7 +66,8 @@ def baseline_scores(
     each text ranks afresh and a run is reproducible; ``recency``: the position, so the
     latest tokens rank as most important; ``flow``, ``rollout``, ``alti``
     (:data:`~...defaults.END_TO_END_RANKINGS`): the text's end-to-end token scores from
-    ``fixed`` (computed once on the clean text, :func:`end_to_end_scores`), the same in
+    ``fixed`` (computed once on the clean text by the experiment,
+    :func:`~..attribution.flow.end_to_end_scores`), the same in
     every layer and head. Baselines rank like measures (the same eligibility, modes, rates
     and scopes) and say how much of a measure's effect any ranking gets.
     """
@@ -79,8 +76,9 @@ def baseline_scores(
     if name in END_TO_END_RANKINGS:
         if fixed is None or name not in fixed:
             raise ValueError(
-                f"the {name} ranking needs the text's end-to-end scores: pass "
-                "fixed_scores=end_to_end_scores(model, ids, [...]) (token_logprobs does)"
+                f"the {name} ranking needs the text's end-to-end scores: pass fixed_scores="
+                "attribution.flow.end_to_end_scores(model, ids, names) (faithfulness and "
+                "downstream do)"
             )
         scores = torch.zeros(t, device=device, dtype=torch.float32)
         given = fixed[name].to(device, torch.float32)[:t]
@@ -103,24 +101,6 @@ def sequence_salt(ids: Tensor | Sequence[int]) -> int:
     values = ids.tolist() if isinstance(ids, Tensor) else list(ids)
     digest = hashlib.sha256(",".join(map(str, values)).encode()).hexdigest()
     return int(digest[:12], 16)
-
-
-def end_to_end_scores(
-    model: LoadedModel,
-    ids: Tensor,
-    names: Sequence[str],
-    eligible_len: int | None = None,
-) -> dict[str, Tensor]:
-    """The end-to-end rankings among ``names`` (``flow``, ``rollout``, ``alti``), each
-    ``(T,)`` token scores of the clean text ``ids`` ``(T,)`` over its scoring queries
-    ``i < eligible_len`` (:func:`~..attribution.flow.token_flow_scores`, one forward for
-    all of them); ``{}`` when ``names`` has none."""
-    rules = [n for n in dict.fromkeys(names) if n in END_TO_END_RANKINGS]
-    if not rules:
-        return {}
-    from ..attribution.flow import token_flow_scores  # the attribution package is heavier
-
-    return token_flow_scores(model, ids.to(model.device), rules, limit=eligible_len)
 
 
 def check_ranking(name: str) -> None:
@@ -204,7 +184,8 @@ class SequentialRemoval:
         salt: a fingerprint of the sequence (:func:`sequence_salt`) for the random
             baselines, so each text gets its own random ranking.
         fixed_scores: the text's end-to-end token scores per ranking name
-            (:func:`end_to_end_scores`), for the ``flow``, ``rollout`` and ``alti`` rankings.
+            (:func:`~..attribution.flow.end_to_end_scores`), for the ``flow``, ``rollout``
+            and ``alti`` rankings.
     """
 
     def __init__(
@@ -360,7 +341,7 @@ def global_thresholds(
 
     ``salt`` seeds the random baselines (default: :func:`sequence_salt` of ``input_ids``, as
     :func:`~.batching.token_logprobs` uses for the same sequence); ``fixed_scores`` holds
-    the end-to-end rankings' scores (:func:`end_to_end_scores`).
+    the end-to-end rankings' scores (:func:`~..attribution.flow.end_to_end_scores`).
 
     All (layer, head, eligible token) token scores of each measure in the clean pass are
     pooled; comprehensiveness at rate p uses their (1 − p)-quantile, sufficiency the
@@ -410,7 +391,6 @@ __all__ = [
     "baseline_scores",
     "check_ranking",
     "column_sums_of",
-    "end_to_end_scores",
     "global_thresholds",
     "removal_count",
     "sequence_salt",

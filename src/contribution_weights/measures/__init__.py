@@ -1,7 +1,7 @@
 """Pure tensor maths: the per-layer measures (method §2) and their aggregates (method §3)."""
 
 from .aggregates import entropy, first_token_weight, normalised, token_scores
-from .layer import LayerTensors, safe_div, split_output_weight
+from .layer import LayerTensors, LayerVectors, safe_div, split_output_weight
 from .registry import (
     MEASURES,
     AbsoluteOf,
@@ -21,6 +21,7 @@ __all__ = [
     "MEASURES",
     "AbsoluteOf",
     "LayerTensors",
+    "LayerVectors",
     "Measure",
     "RankOne",
     "Recipe",

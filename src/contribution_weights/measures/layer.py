@@ -3,8 +3,9 @@
 :class:`LayerTensors` holds what one attention layer produced for a block of queries
 (attention probabilities, values per KV head, the output projection) and derives every
 intermediate lazily, once: head outputs, the layer output ``o_i``, the inner products
-``⟨o_i, ṽ_j^(h)⟩`` and the norms ``‖ṽ_j^(h)‖``. Measures are small functions of those
-(see :mod:`.registry`).
+``⟨o_i, ṽ_j^(h)⟩`` and the norms ``‖ṽ_j^(h)‖``. The per-query and per-key vectors live in
+its base, :class:`LayerVectors`, which the tiled kernels read without any probabilities.
+Measures are small functions of those (see :mod:`.registry`).
 
 Nothing here builds the ``(H, I, T, d)`` tensor of all weighted projected values:
 
@@ -61,8 +62,153 @@ def split_output_weight(weight: Float[Tensor, "d hd"], num_heads: int) -> Float[
     return weight.reshape(d, num_heads, hd // num_heads).permute(1, 0, 2)
 
 
-class LayerTensors:
-    """One attention layer's internals for a block of queries ``rows``.
+class LayerVectors:
+    """One attention layer's per-query and per-key vectors, ``O((I + T) · d)`` each, from
+    its head states: what every measure reads besides the attention itself (the layer
+    output ``o_i``, its norms, ``W_O^(h)ᵀ o_i / ‖o_i‖²``, ``Gram_h z_i / ‖o_i^(h)‖²``,
+    ``‖ṽ_j^(h)‖``). :class:`LayerTensors` adds the attention probabilities; the tiled
+    kernels (:mod:`.tiled`), which never hold them, read these vectors alone.
+
+    Args:
+        values: ``(B, G, T, d_h)`` value vectors per KV head.
+        w_o: ``(H, d, d_h)`` per-head output projection blocks (:func:`split_output_weight`).
+        b_o: ``(d,)`` output bias, or None.
+        head_states: ``(B, H, I, d_h)`` ``z_i^(h) = Σ_j α_ij v_j`` (:class:`LayerTensors`
+            derives them from the probabilities when not given).
+        gram: optional precomputed ``(H, d_h, d_h)`` ``W_O^(h)ᵀ W_O^(h)``.
+    """
+
+    def __init__(
+        self,
+        values: Float[Tensor, "b g t dh"],
+        w_o: Float[Tensor, "h d dh"],
+        b_o: Float[Tensor, " d"] | None,
+        head_states: Float[Tensor, "b h i dh"] | None = None,
+        gram: Float[Tensor, "h dh dh"] | None = None,
+    ) -> None:
+        h, g = w_o.shape[0], values.shape[1]
+        if h % g:
+            raise ValueError(f"{h} query heads do not divide into {g} KV heads")
+        if w_o.shape[2] != values.shape[3]:
+            raise ValueError(
+                f"shape mismatch: values {tuple(values.shape)}, w_o {tuple(w_o.shape)}"
+            )
+        self.values = values
+        self.w_o = w_o
+        self.b_o = b_o
+        if gram is not None:
+            self.__dict__["gram"] = gram
+        if head_states is not None:
+            self.__dict__["head_states"] = head_states
+
+    # ---- intermediates ---------------------------------------------------------------
+    @cached_property
+    def head_values(self) -> Float[Tensor, "b h t dh"]:
+        """``(B, H, T, d_h)``: v_j^(g(h)) for every query head (GQA expanded)."""
+        h, g = self.w_o.shape[0], self.values.shape[1]
+        return self.values.repeat_interleave(h // g, dim=1) if h != g else self.values
+
+    @cached_property
+    def gram(self) -> Float[Tensor, "h dh dh"]:
+        """``(H, d_h, d_h)``: W_O^(h)ᵀ W_O^(h)."""
+        return self.w_o.transpose(1, 2) @ self.w_o
+
+    @cached_property
+    def head_states(self) -> Float[Tensor, "b h i dh"]:
+        """``(B, H, I, d_h)``: z_i^(h) = Σ_j α_ij v_j (head output before W_O)."""
+        raise ValueError("LayerVectors needs its head states: pass head_states=")
+
+    @cached_property
+    def head_outputs(self) -> Float[Tensor, "b h i d"]:
+        """``(B, H, I, d)``: o_i^(h) = W_O^(h) z_i^(h)."""
+        return torch.einsum("bhid,hed->bhie", self.head_states, self.w_o)
+
+    @cached_property
+    def projected_values(self) -> Float[Tensor, "b h t d"]:
+        """``(B, H, T, d)``: ṽ_j^(h) = W_O^(h) v_j (built only by measures that need it)."""
+        return torch.einsum("bhtd,hed->bhte", self.head_values, self.w_o)
+
+    @cached_property
+    def output(self) -> Float[Tensor, "b i d"]:
+        """``(B, I, d)``: o_i = Σ_h o_i^(h) + b_O (without building every o_i^(h))."""
+        out = torch.einsum("bhid,hed->bie", self.head_states, self.w_o)
+        return out if self.b_o is None else out + self.b_o
+
+    @cached_property
+    def output_norm2(self) -> Float[Tensor, "b i"]:
+        """``(B, I)``: ‖o_i‖²."""
+        return self.output.square().sum(-1)
+
+    @cached_property
+    def output_norm(self) -> Float[Tensor, "b i"]:
+        return self.output_norm2.sqrt()
+
+    @cached_property
+    def head_output_norm2(self) -> Float[Tensor, "b h i"]:
+        """``(B, H, I)``: ‖o_i^(h)‖² = z Gram zᵀ."""
+        return (self.head_states_gram * self.head_states).sum(-1).clamp_min(0)
+
+    @cached_property
+    def head_states_gram(self) -> Float[Tensor, "b h i dh"]:
+        """``(B, H, I, d_h)``: Gram_h z_i^(h)."""
+        return self.head_states @ self.gram
+
+    @cached_property
+    def value_norm(self) -> Float[Tensor, "b h t"]:
+        """``(B, H, T)``: ‖ṽ_j^(h)‖ = sqrt(v_jᵀ Gram_h v_j)."""
+        vg = self.head_values @ self.gram
+        return (vg * self.head_values).sum(-1).clamp_min(0).sqrt()
+
+    @cached_property
+    def scaled_back(self) -> Float[Tensor, "b h i dh"]:
+        """``(B, H, I, d_h)``: W_O^(h)ᵀ o_i / ‖o_i‖² (0 where o_i = 0), so that
+        ``⟨o_i, ṽ_j^(h)⟩ / ‖o_i‖² = ⟨·, v_j⟩``."""
+        scaled = self.output * self.inv_output_norm2[..., None]
+        return torch.einsum("bie,hed->bhid", scaled, self.w_o)
+
+    @cached_property
+    def scaled_head_left(self) -> Float[Tensor, "b h i dh"]:
+        """``(B, H, I, d_h)``: Gram_h z_i^(h) / ‖o_i^(h)‖² (0 where o_i^(h) = 0), so that
+        ``⟨o_i^(h), ṽ_j^(h)⟩ / ‖o_i^(h)‖² = ⟨·, v_j⟩``."""
+        return self.head_states_gram * reciprocal(self.head_output_norm2)[..., None]
+
+    @cached_property
+    def degenerate(self) -> Bool[Tensor, "b i"]:
+        """``(B, I)`` bool: queries whose layer output is exactly zero."""
+        return self.output_norm2 <= 0
+
+    @cached_property
+    def degenerate_heads(self) -> Bool[Tensor, "b h i"]:
+        """``(B, H, I)`` bool: head outputs o_i^(h) that are exactly zero (č is 0 there)."""
+        return self.head_output_norm2 <= 0
+
+    @cached_property
+    def zero_values(self) -> Bool[Tensor, "b h t"]:
+        """``(B, H, T)`` bool: projected values ṽ_j^(h) that are exactly zero (κ is 0 there)."""
+        return self.value_norm <= 0
+
+    @cached_property
+    def bias_share(self) -> Float[Tensor, "b i"]:
+        """``(B, I)``: ⟨o_i, b_O⟩ / ‖o_i‖² (0 for bias-free projections)."""
+        if self.b_o is None:
+            return torch.zeros_like(self.output_norm2)
+        return safe_div(self.output @ self.b_o, self.output_norm2)
+
+    @cached_property
+    def inv_output_norm2(self) -> Float[Tensor, "b i"]:
+        """``(B, I)``: 1/‖o_i‖² (0 where o_i = 0)."""
+        return reciprocal(self.output_norm2)
+
+    @cached_property
+    def inv_output_norm(self) -> Float[Tensor, "b i"]:
+        """``(B, I)``: 1/‖o_i‖ (0 where o_i = 0)."""
+        return reciprocal(self.output_norm)
+
+
+class LayerTensors(LayerVectors):
+    """One attention layer's internals for a block of queries ``rows``: its
+    :class:`LayerVectors` and the attention probabilities, and the ``(B, H, I, T)``
+    products the measures read.
 
     Args:
         probs: ``(B, H, I, T)`` attention probabilities (already zero where masked).
@@ -97,27 +243,9 @@ class LayerTensors:
                 f"shape mismatch: probs {tuple(probs.shape)}, values {tuple(values.shape)}, "
                 f"w_o {tuple(w_o.shape)}"
             )
+        super().__init__(values, w_o, b_o, head_states=head_states, gram=gram)
         self.probs = probs
-        self.values = values
-        self.w_o = w_o
-        self.b_o = b_o
         self.valid = valid
-        if gram is not None:
-            self.__dict__["gram"] = gram
-        if head_states is not None:
-            self.__dict__["head_states"] = head_states
-
-    # ---- intermediates ---------------------------------------------------------------
-    @cached_property
-    def head_values(self) -> Float[Tensor, "b h t dh"]:
-        """``(B, H, T, d_h)``: v_j^(g(h)) for every query head (GQA expanded)."""
-        h, g = self.probs.shape[1], self.values.shape[1]
-        return self.values.repeat_interleave(h // g, dim=1) if h != g else self.values
-
-    @cached_property
-    def gram(self) -> Float[Tensor, "h dh dh"]:
-        """``(H, d_h, d_h)``: W_O^(h)ᵀ W_O^(h)."""
-        return self.w_o.transpose(1, 2) @ self.w_o
 
     @cached_property
     def head_states(self) -> Float[Tensor, "b h i dh"]:
@@ -125,53 +253,10 @@ class LayerTensors:
         return self.probs @ self.head_values
 
     @cached_property
-    def head_outputs(self) -> Float[Tensor, "b h i d"]:
-        """``(B, H, I, d)``: o_i^(h) = W_O^(h) z_i^(h)."""
-        return torch.einsum("bhid,hed->bhie", self.head_states, self.w_o)
-
-    @cached_property
-    def projected_values(self) -> Float[Tensor, "b h t d"]:
-        """``(B, H, T, d)``: ṽ_j^(h) = W_O^(h) v_j (built only by measures that need it)."""
-        return torch.einsum("bhtd,hed->bhte", self.head_values, self.w_o)
-
-    @cached_property
-    def output(self) -> Float[Tensor, "b i d"]:
-        """``(B, I, d)``: o_i = Σ_h o_i^(h) + b_O (without building every o_i^(h))."""
-        out = torch.einsum("bhid,hed->bie", self.head_states, self.w_o)
-        return out if self.b_o is None else out + self.b_o
-
-    @cached_property
-    def output_norm2(self) -> Float[Tensor, "b i"]:
-        """``(B, I)``: ‖o_i‖²."""
-        return self.output.square().sum(-1)
-
-    @cached_property
-    def output_norm(self) -> Float[Tensor, "b i"]:
-        return self.output_norm2.sqrt()
-
-    @cached_property
-    def head_output_norm2(self) -> Float[Tensor, "b h i"]:
-        """``(B, H, I)``: ‖o_i^(h)‖² = z Gram zᵀ."""
-        zg = self.head_states @ self.gram
-        return (zg * self.head_states).sum(-1).clamp_min(0)
-
-    @cached_property
-    def value_norm(self) -> Float[Tensor, "b h t"]:
-        """``(B, H, T)``: ‖ṽ_j^(h)‖ = sqrt(v_jᵀ Gram_h v_j)."""
-        vg = self.head_values @ self.gram
-        return (vg * self.head_values).sum(-1).clamp_min(0).sqrt()
-
-    @cached_property
     def output_dot_values(self) -> Float[Tensor, "b h i t"]:
         """``(B, H, I, T)``: ⟨o_i, ṽ_j^(h)⟩ = ⟨W_O^(h)ᵀ o_i, v_j⟩."""
         back = torch.einsum("bie,hed->bhid", self.output, self.w_o)
         return back @ self.head_values.transpose(-1, -2)
-
-    @cached_property
-    def scaled_back(self) -> Float[Tensor, "b h i dh"]:
-        """``(B, H, I, d_h)``: W_O^(h)ᵀ o_i / ‖o_i‖² (0 where o_i = 0)."""
-        scaled = self.output * self.inv_output_norm2[..., None]
-        return torch.einsum("bie,hed->bhid", scaled, self.w_o)
 
     @cached_property
     def output_dot_values_per_norm2(self) -> Float[Tensor, "b h i t"]:
@@ -185,32 +270,9 @@ class LayerTensors:
     @cached_property
     def head_output_dot_values_per_norm2(self) -> Float[Tensor, "b h i t"]:
         """``(B, H, I, T)``: ⟨o_i^(h), ṽ_j^(h)⟩ / ‖o_i^(h)‖² = ⟨Gram_h z_i^(h), v_j⟩ / ‖o_i^(h)‖²,
-        the division folded into the ``(I, d_h)`` factor as in
+        the division folded into the ``(I, d_h)`` factor :attr:`scaled_head_left` as in
         :attr:`output_dot_values_per_norm2`."""
-        left = (self.head_states @ self.gram) * reciprocal(self.head_output_norm2)[..., None]
-        return left @ self.head_values.transpose(-1, -2)
-
-    @cached_property
-    def degenerate(self) -> Bool[Tensor, "b i"]:
-        """``(B, I)`` bool: queries whose layer output is exactly zero."""
-        return self.output_norm2 <= 0
-
-    @cached_property
-    def degenerate_heads(self) -> Bool[Tensor, "b h i"]:
-        """``(B, H, I)`` bool: head outputs o_i^(h) that are exactly zero (č is 0 there)."""
-        return self.head_output_norm2 <= 0
-
-    @cached_property
-    def zero_values(self) -> Bool[Tensor, "b h t"]:
-        """``(B, H, T)`` bool: projected values ṽ_j^(h) that are exactly zero (κ is 0 there)."""
-        return self.value_norm <= 0
-
-    @cached_property
-    def bias_share(self) -> Float[Tensor, "b i"]:
-        """``(B, I)``: ⟨o_i, b_O⟩ / ‖o_i‖² (0 for bias-free projections)."""
-        if self.b_o is None:
-            return torch.zeros_like(self.output_norm2)
-        return safe_div(self.output @ self.b_o, self.output_norm2)
+        return self.scaled_head_left @ self.head_values.transpose(-1, -2)
 
     def masked(self, x: Float[Tensor, "b h i t"]) -> Float[Tensor, "b h i t"]:
         """Zero ``x`` (``(B, H, I, T)``) where the query cannot attend to the key."""
@@ -219,16 +281,6 @@ class LayerTensors:
     def masked_(self, x: Float[Tensor, "b h i t"]) -> Float[Tensor, "b h i t"]:
         """:meth:`masked` in place, for a tensor the caller has just created."""
         return x.masked_fill_(~self.valid[:, None], 0)
-
-    @cached_property
-    def inv_output_norm2(self) -> Float[Tensor, "b i"]:
-        """``(B, I)``: 1/‖o_i‖² (0 where o_i = 0)."""
-        return reciprocal(self.output_norm2)
-
-    @cached_property
-    def inv_output_norm(self) -> Float[Tensor, "b i"]:
-        """``(B, I)``: 1/‖o_i‖ (0 where o_i = 0)."""
-        return reciprocal(self.output_norm)
 
 
 @dataclass

@@ -45,7 +45,7 @@ from torch import Tensor
 
 from ..registry import Registry
 from . import layer
-from .layer import Factors, LayerTensors, safe_div
+from .layer import Factors, LayerTensors, LayerVectors, safe_div
 
 
 def _per_query_sum(w: Float[Tensor, "*lead h i t"]) -> Float[Tensor, "*lead h i t"]:
@@ -90,8 +90,8 @@ class RankOne:
     """The measure is ``key_factor(lt)_j · query_factor(lt)_i`` on the valid pairs
     (``(B, H, T)`` and ``(B, I)``): its sums are matrix–vector products, no map at all."""
 
-    key_factor: Callable[[LayerTensors], Tensor]
-    query_factor: Callable[[LayerTensors], Tensor]
+    key_factor: Callable[[LayerVectors], Tensor]
+    query_factor: Callable[[LayerVectors], Tensor]
 
 
 Algebra = RowScaled | AbsoluteOf | RankOne

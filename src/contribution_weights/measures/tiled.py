@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from .kernels import BlockSums
-from .layer import reciprocal
+from .layer import LayerVectors
 from .registry import get_measure
 
 #: the measures the kernel computes, by its numbering (see :mod:`.triton_kernels`)
@@ -131,7 +131,8 @@ def kernels(interpret: bool) -> SimpleNamespace:
 
 @dataclass
 class TiledLayer:
-    """One layer's float32 inputs and the per-query and per-key vectors of step 2.
+    """One layer's float32 inputs and the per-query and per-key vectors of step 2
+    (``vectors``, a :class:`~.layer.LayerVectors` of a batch of one).
 
     Shapes: ``q`` ``(H, T_q, d_h)``; ``k``, ``v`` ``(G, T, d_h)``; ``start``, ``stop``
     ``(T_q,)`` int32 (the keys ``[start_i, stop_i)`` query i sees); ``w_o`` ``(H, d, d_h)``,
@@ -221,26 +222,18 @@ class TiledLayer:
 
     # ---- step 2: the vectors the measures are read from --------------------------------
     def _vectors(self) -> None:
-        """As :class:`~.layer.LayerTensors` defines them, from ``z`` instead of ``α @ v``."""
-        w_o, gram, z = self.w_o.float(), self.gram.float(), self.z
-        out = torch.einsum("hid,hed->ie", z, w_o)
-        if self.b_o is not None:
-            out = out + self.b_o.float()
-        self.output = out
-        self.output_norm2 = out.square().sum(-1)
-        self.output_norm = self.output_norm2.sqrt()
-        self.back = torch.einsum("ie,hed->hid", out * reciprocal(self.output_norm2)[:, None], w_o)
-        zg = z @ gram
-        self.head_output_norm2 = (zg * z).sum(-1).clamp_min(0)
-        self.left = (zg * reciprocal(self.head_output_norm2)[..., None]).contiguous()
-        self.back = self.back.contiguous()
-        rep = self.q.shape[0] // self.k.shape[0]
-        values = self.v.repeat_interleave(rep, dim=0) if rep > 1 else self.v
-        self.value_norm = ((values @ gram) * values).sum(-1).clamp_min(0).sqrt().contiguous()
-        if self.b_o is None:
-            self.bias_share = torch.zeros_like(self.output_norm2)
-        else:
-            self.bias_share = (out @ self.b_o.float()) * reciprocal(self.output_norm2)
+        """:class:`~.layer.LayerVectors` (a batch of one) from ``z`` instead of ``α @ v``;
+        the flat ``(H, T, d_h)`` factors the reduce kernel reads."""
+        vec = LayerVectors(
+            self.v[None], self.w_o.float(),
+            None if self.b_o is None else self.b_o.float(),
+            head_states=self.z[None], gram=self.gram.float(),
+        )  # fmt: skip
+        self.vectors = vec
+        self.back = vec.scaled_back[0].contiguous()
+        self.left = vec.scaled_head_left[0].contiguous()
+        self.value_norm = vec.value_norm[0].contiguous()
+        self.output_norm = vec.output_norm[0].contiguous()
 
     # ---- step 3: one measure's sums -------------------------------------------------------
     def sums(self, name: str, top_k: int) -> tuple[BlockSums, tuple[Tensor, Tensor] | None]:

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ..capture import LayerBlock, LayerCall, rows_per_block
 from ..measures.kernels import BlockSums, compiled_measure_sums, deriver
-from ..measures.layer import Factors, reciprocal
+from ..measures.layer import Factors, LayerVectors
 from ..measures.reductions import (
     ReductionAccumulator,
     chunk_candidates,
@@ -104,16 +104,23 @@ class TraceRecorder:
                 store.write(name, pos, rows, computed[name], k0)
         if self.reducer is not None:
             self._reduce(lt, pos, rows, computed, k0)
-        v["bias_share"][pos, rows] = lt.bias_share[0]
-        v["degenerate"][pos, rows] = lt.degenerate[0]
-        v["degenerate_heads"][pos, :, rows] = lt.degenerate_heads[0]
-        v["output_norm"][pos, rows] = lt.output_norm[0]
-        v["zero_values"][pos, :, keys] = lt.zero_values[0]
-        v["value_norm"][pos, :, keys] = lt.value_norm[0]
+        self._keep_vectors(lt, pos, rows, keys)
         if store is not None and rows.stop == call.q_len:
             store.finish_layer(pos)
         if self.progress is not None:
             self.progress.update(1)
+
+    def _keep_vectors(self, vec: LayerVectors, pos: int, rows: slice, keys: slice) -> None:
+        """The per-query and per-key vectors of traced layer ``pos`` (a batch of one) that
+        derived measures and the trace's readers use, for queries ``rows`` and keys
+        ``keys``, cast to the trace's dtype."""
+        v = self.vectors
+        v["bias_share"][pos, rows] = vec.bias_share[0]
+        v["degenerate"][pos, rows] = vec.degenerate[0]
+        v["degenerate_heads"][pos, :, rows] = vec.degenerate_heads[0]
+        v["output_norm"][pos, rows] = vec.output_norm[0]
+        v["zero_values"][pos, :, keys] = vec.zero_values[0]
+        v["value_norm"][pos, :, keys] = vec.value_norm[0]
 
     def tiled(self, call: LayerCall) -> bool:
         """Whether this layer is reduced whole by the tiled kernels (``kernels="triton"``,
@@ -148,9 +155,8 @@ class TraceRecorder:
         for name in self.measures:
             measure = get_measure(name)
             if isinstance(measure.algebra, RankOne):
-                factors: Any = _RankOneFactors(layer)  # what the factors read of a layer
-                key_f = measure.algebra.key_factor(factors)[0]
-                query_f = measure.algebra.query_factor(factors)[0]
+                key_f = measure.algebra.key_factor(layer.vectors)[0]
+                query_f = measure.algebra.query_factor(layer.vectors)[0]
                 for rows in _row_blocks(call):
                     valid = call.valid(rows)[0]
                     red.add_rank_one(name, pos, rows.start, key_f, query_f[rows], valid, 0)
@@ -160,15 +166,9 @@ class TraceRecorder:
                 red.fold(name, pos, 0, sums, top, 0)
             else:
                 red.fold_other(name, pos, 0, sums.col, sums.row, sums.first_value, 0)
-        v, dtype = self.vectors, self.dtype
-        v["key_start"][pos] = start
-        v["key_stop"][pos] = stop
-        v["bias_share"][pos] = layer.bias_share.to(dtype)
-        v["degenerate"][pos] = layer.output_norm2 <= 0
-        v["degenerate_heads"][pos] = layer.head_output_norm2 <= 0
-        v["output_norm"][pos] = layer.output_norm.to(dtype)
-        v["zero_values"][pos] = layer.value_norm <= 0
-        v["value_norm"][pos] = layer.value_norm.to(dtype)
+        self.vectors["key_start"][pos] = start
+        self.vectors["key_stop"][pos] = stop
+        self._keep_vectors(layer.vectors, pos, slice(0, call.q_len), slice(0, t))
         if self.progress is not None:
             self.progress.update(self.blocks_per_layer)
         return layer.z
@@ -306,15 +306,6 @@ def _top(name: str, basis: list[str], f: Factors, sums: BlockSums, k: int) -> tu
     a = (w.abs() if signed else w).masked_fill(~inside, -1.0)
     pick = torch.topk(a, k, dim=-1).indices
     return cols.gather(-1, pick), w.gather(-1, pick)
-
-
-class _RankOneFactors:
-    """The per-key and per-query norms a rank-one measure's factors read, as a
-    :class:`~..measures.layer.LayerTensors` holds them (batch of one)."""
-
-    def __init__(self, layer: Any) -> None:
-        self.value_norm = layer.value_norm[None]
-        self.inv_output_norm = reciprocal(layer.output_norm)[None]
 
 
 def _row_blocks(call: LayerCall) -> list[slice]:
