@@ -19,6 +19,7 @@ from contribution_weights.experiments.paired import (
     mcnemar_table,
     paired_differences,
     ranking_table,
+    sign_test,
     student_t_sf2,
     t_test,
 )
@@ -149,6 +150,28 @@ def test_mcnemar_exact_p_against_scipy_and_by_hand():
         expected = 1.0 if b + c == 0 else stats.binomtest(b, b + c, 0.5).pvalue
         assert mcnemar_p(b, c) == pytest.approx(expected)
     assert mcnemar_p(0, 6) == pytest.approx(2 / 64)
+
+
+def test_the_sign_test_decides_discrete_metrics_without_the_t_tests_zero_variance():
+    """Two items on which a method finds the needle and the other does not: every d is 1,
+    so the t-test's s.e. is 0 and its p 0, a "win" from two items; the exact sign test
+    gives p = 0.5 and a tie. At n = 40 with 12 wins and 1 loss it decides (McNemar)."""
+    d = np.array([1.0, 1.0])
+    assert t_test(d) == 0.0 and sign_test(d) == pytest.approx(0.5)
+    assert sign_test(np.array([1.0, 0.0, -1.0, 0.0])) == 1.0  # zeros dropped: 1 against 1
+    assert math.isnan(sign_test(np.array([1.0])))
+    two = {"good": np.array([1.0, 1.0]), "bad": np.array([0.0, 0.0])}
+    t_rows = paired_differences(_rows(two), "good", higher_is_better=True).iloc[0]
+    sign = paired_differences(_rows(two), "good", higher_is_better=True, test="sign").iloc[0]
+    assert t_rows.verdict == "reference better" and sign.verdict == "tie"
+    many = {
+        "good": np.r_[np.ones(12), 0.0, np.ones(7)],
+        "bad": np.r_[np.zeros(12), 1.0, np.ones(7)],
+    }
+    row = paired_differences(_rows(many), "good", higher_is_better=True, test="sign").iloc[0]
+    assert row.p == pytest.approx(mcnemar_p(12, 1)) and row.verdict == "reference better"
+    with pytest.raises(ValueError, match="unknown test"):
+        paired_differences(_rows(two), "good", test="wilcoxon")
 
 
 def _items(ref_ok, other_ok, other="vw", clean_ok=None):

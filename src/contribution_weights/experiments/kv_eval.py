@@ -49,8 +49,11 @@ SUMMARY_DEPTH = "summary_depth.csv"
 SUMMARY_PAIRED = "summary_paired.csv"
 SUMMARY_PAIRS = "summary_pairs.csv"
 SUMMARY_RANKING = "summary_ranking.csv"
-#: is a larger value of the task's metric better?
+#: is a larger value of the task's metric better? And the paired test of two methods: the
+#: t-test for NLL, the exact sign test (McNemar's for 0/1) for accuracies, which take few
+#: values per item
 HIGHER_IS_BETTER = {"nll": False, "accuracy": True}
+TEST = {"nll": "t", "accuracy": "sign"}
 NO_COMPRESSION = "none"
 #: a RULER-like task whose uncompressed accuracy is below this is one the model cannot do
 CANNOT_DO = 0.1
@@ -193,14 +196,17 @@ def _families(per_item: pd.DataFrame, task: str) -> Iterator[tuple[str, str, pd.
 def method_pairs(per_item: pd.DataFrame, task: str) -> pd.DataFrame:
     """Every pair of methods on the same items (:data:`PAIRS_COLUMNS`): per ratio, d =
     metric(reference) − metric(other) item by item, its mean, s.e., percentile-bootstrap
-    95% interval and paired t-test p, Holm-corrected over every ratio × pair of one table
+    95% interval and p (the paired t-test for NLL, the exact sign test for accuracy:
+    :data:`TEST`), Holm-corrected over every ratio × pair of one table
     (a RULER task and setting, or the whole run), and the verdict: "tie" unless p_holm <
     0.05 and the interval excludes 0 (:mod:`.paired`; a lower NLL or a higher accuracy
     is better). ``setting`` is empty outside RULER."""
     metric = METRIC[task]
     parts = []
     for name, setting, frame in _families(per_item, task):
-        table = paired_differences(frame, None, metric, higher_is_better=HIGHER_IS_BETTER[metric])
+        table = paired_differences(
+            frame, None, metric, higher_is_better=HIGHER_IS_BETTER[metric], test=TEST[metric]
+        )
         parts.append(table.assign(task=name, setting=setting).rename(columns={"rate": "ratio"}))
     if not parts:
         return pd.DataFrame(columns=PAIRS_COLUMNS)

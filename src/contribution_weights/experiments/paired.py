@@ -20,7 +20,11 @@ p_holm < :data:`ALPHA` *and* the 95% bootstrap interval excludes 0; then "refere
 better" or "other better" by the sign of the mean and the mode's direction. The two
 guard each other: the t-test holds its level for small n where the percentile bootstrap
 is liberal (at n = 8 it rejects where the t-test does not), and the bootstrap interval
-assumes no normality of d.
+assumes no normality of d. For a metric with few distinct values per item (an accuracy of
+0 or 1, or a share of a few answers) ``test="sign"`` replaces the t-test by the exact sign
+test (:func:`sign_test`; McNemar's exact test for 0/1 outcomes): there many d are equal,
+and where all are the t-test's s.e. is 0 and its p 0 whatever n, while the sign test
+gives two items that agree p = 0.5.
 
 **Downstream test** (:func:`mcnemar_table`). Per (rate, other) over the items: b = items
 where the reference's outcome is better, c = where the other's is, the exact two-sided
@@ -147,6 +151,16 @@ def t_test(d: np.ndarray) -> float:
     return student_t_sf2(abs(mean) / (sd / math.sqrt(n)), n - 1)
 
 
+def sign_test(d: np.ndarray) -> float:
+    """Two-sided exact sign test of the paired differences ``d``: b = #(d > 0), c =
+    #(d < 0), zeros dropped, p of b of b + c under Binomial(b + c, 1/2) (:func:`mcnemar_p`;
+    NaN when n < 2, as :func:`t_test`)."""
+    d = np.asarray(d, dtype=float)
+    if d.size < 2:
+        return math.nan
+    return mcnemar_p(int((d > 0).sum()), int((d < 0).sum()))
+
+
 def student_t_sf2(t: float, df: int) -> float:
     """P(|T| ≥ t) for T ~ Student(df), df a positive integer, t ≥ 0."""
     theta = math.atan(t / math.sqrt(df))
@@ -164,6 +178,10 @@ def student_t_sf2(t: float, df: int) -> float:
             total += term
         inside = sin * total
     return min(1.0, max(0.0, 1.0 - inside))
+
+
+#: the paired tests :func:`paired_differences` can use, by name
+TESTS = {"t": t_test, "sign": sign_test}
 
 
 def _verdict(mean: float, p_holm: float, excludes_zero: bool, higher_is_better: bool) -> str:
@@ -192,6 +210,7 @@ def paired_differences(
     resamples: int = RESAMPLES,
     seed: int = SEED,
     higher_is_better: bool | None = None,
+    test: str = "t",
 ) -> pd.DataFrame:
     """Per (mode, rate) and each other ranking, the paired differences d_s =
     metric(reference) − metric(other) over the sequences both were scored on
@@ -201,7 +220,10 @@ def paired_differences(
     are pooled as ``random``. A ``reference`` that was not run is refused.
     ``higher_is_better`` decides the verdicts' direction for every mode (for a metric
     other than the removal modes', e.g. an accuracy); by default each mode's own
-    (:data:`HIGHER_IS_BETTER`)."""
+    (:data:`HIGHER_IS_BETTER`). ``test``: ``"t"`` (the paired t-test) or ``"sign"`` (the
+    exact sign test, for discrete metrics; module docstring)."""
+    if test not in TESTS:
+        raise ValueError(f"unknown test {test!r}; choose one of {', '.join(TESTS)}")
     if per_sequence.empty:
         return pd.DataFrame(columns=PAIRED_COLUMNS)
     rows = pool_seeds(per_sequence, "seq", [metric])
@@ -222,7 +244,7 @@ def paired_differences(
             n = d.size
             se = float(d.std(ddof=1) / math.sqrt(n)) if n > 1 else math.nan
             low, high = bootstrap_interval(d, resamples, seed)
-            p = t_test(d)
+            p = TESTS[test](d)
             mean = float(d.mean()) if n else math.nan
             out.append([metric, mode, float(rate), ref, other, n, mean, se, low, high, p])
     frame = pd.DataFrame(out, columns=PAIRED_COLUMNS[:-2])
@@ -249,6 +271,7 @@ def ranking_table(
     seed: int = SEED,
     higher_is_better: bool | None = None,
     pairs: pd.DataFrame | None = None,
+    test: str = "t",
 ) -> pd.DataFrame:
     """Per (mode, rate, ranking): n, the mean and standard error of ``metric`` over
     sequences, and how many other rankings it beats (``wins``), loses to (``losses``)
@@ -262,7 +285,7 @@ def ranking_table(
     if pairs is None:
         pairs = paired_differences(
             per_sequence, None, metric, resamples=resamples, seed=seed,
-            higher_is_better=higher_is_better,
+            higher_is_better=higher_is_better, test=test,
         )  # fmt: skip
     tally: dict[tuple[str, float, str], list[int]] = {}
     for r in pairs.itertuples():
