@@ -284,6 +284,15 @@ def test_kv_eval_runs_a_ruler_task_in_both_settings_and_resumes(
     figure = plot(first)
     titles = {ax.get_title() for ax in figure.axes if ax.get_title()}
     assert titles == {"niah_single · query-agnostic · n=2", "niah_single · query-aware · n=2"}
+    from contribution_weights.experiments.spec import EXPERIMENTS
+    from contribution_weights.presentation.figures import figure_for
+
+    # the command writes it: the name the CLI saves it under, and a figure function
+    assert EXPERIMENTS.get("kv-eval").figure_name(first) == "kv-accuracy.png"
+    assert figure_for(first) is not None
+    # the pairs read back from their CSV rank as the ones in memory
+    pairs_csv = pd.read_csv(tmp_path / "run" / "summary_pairs.csv")
+    pd.testing.assert_frame_equal(first.ranking(pairs_csv), first.ranking(), check_dtype=False)
     # a random tiny model cannot do the task: the notes say so
     notes = shortfall(first)
     assert all("cannot do this task" in line for line in notes)
@@ -330,6 +339,16 @@ def test_method_pairs_and_ranking_find_a_known_winner_per_task_and_setting() -> 
     lm_pairs = method_pairs(lm.drop(columns=["task", "setting"]), "lm")
     good_bad = lm_pairs[(lm_pairs["reference"] == "good") & (lm_pairs["other"] == "bad")]
     assert good_bad["verdict"].item() == "other better"
+    # read back from summary_pairs.csv, the empty setting is NaN: the ranking is the same
+    import io
+
+    back = pd.read_csv(io.StringIO(lm_pairs.to_csv(index=False)))
+    assert back["setting"].isna().all()
+    lm_rows = lm.drop(columns=["task", "setting"])
+    pd.testing.assert_frame_equal(
+        method_ranking(lm_rows, "lm", back), method_ranking(lm_rows, "lm", lm_pairs)
+    )
+    assert method_ranking(lm_rows, "lm", back).set_index("method").loc["bad", "wins"] == 2
 
 
 def test_caches_generated_together_give_each_its_own_generation(texts: list[str]) -> None:

@@ -222,8 +222,9 @@ def method_ranking(
     metric = METRIC[task]
     pairs = method_pairs(per_item, task) if pairs is None else pairs
     parts = []
+    settings = pairs["setting"].fillna("").astype(str)  # "" outside RULER reads back as NaN
     for name, setting, frame in _families(per_item, task):
-        own = pairs[(pairs["task"] == name) & (pairs["setting"] == setting)]
+        own = pairs[(pairs["task"] == name) & (settings == setting)]
         own = own.rename(columns={"ratio": "rate"}).assign(mode=metric)
         table = ranking_table(frame, metric, pairs=own)
         parts.append(

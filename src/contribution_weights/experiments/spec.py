@@ -133,11 +133,7 @@ register_experiment(
         KVEvalOptions,
         "contribution_weights.experiments.kv_eval:kv_eval",
         inputs="kv",
-        figure=lambda result: (  # ruler: no figure yet (a panel per task would be needed)
-            None
-            if result.config["task"] == "ruler"
-            else f"kv-{'accuracy' if result.config['task'] == 'passkey' else 'nll'}.png"
-        ),
+        figure=lambda result: f"kv-{'nll' if result.config['task'] == 'lm' else 'accuracy'}.png",
         notes="contribution_weights.experiments.kv_eval:shortfall",
     )
 )

@@ -229,11 +229,21 @@ class TiledLayer:
             None if self.b_o is None else self.b_o.float(),
             head_states=self.z[None], gram=self.gram.float(),
         )  # fmt: skip
-        self.vectors = vec
         self.back = vec.scaled_back[0].contiguous()
         self.left = vec.scaled_head_left[0].contiguous()
         self.value_norm = vec.value_norm[0].contiguous()
         self.output_norm = vec.output_norm[0].contiguous()
+        for small in ("bias_share", "degenerate", "degenerate_heads", "zero_values"):
+            getattr(vec, small)  # what the recorder reads, O(H · T) each, kept
+        for large in (
+            "scaled_back",
+            "scaled_head_left",
+            "head_states_gram",
+            "head_values",
+            "output",
+        ):
+            vec.__dict__.pop(large, None)  # O(T · d) each: taken above or no longer needed
+        self.vectors = vec
 
     # ---- step 3: one measure's sums -------------------------------------------------------
     def sums(self, name: str, top_k: int) -> tuple[BlockSums, tuple[Tensor, Tensor] | None]:
