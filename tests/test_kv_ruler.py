@@ -304,6 +304,28 @@ def test_kv_eval_runs_a_ruler_task_in_both_settings_and_resumes(
     pd.testing.assert_frame_equal(loaded.summary, summary, check_dtype=False)
 
 
+def test_the_ruler_figure_keeps_each_methods_colour_and_legend_across_panels() -> None:
+    """A method missing from one panel (here "a" in vt) shifts neither the others' colours
+    nor the legend, which lists every method once."""
+    from contribution_weights.presentation.kv_plots import plot_ruler
+
+    rows = []
+    for task, methods in (("niah_single", ["a", "b", "c"]), ("vt", ["b", "c"])):
+        rows.append({"method": "none", "task": task, "setting": "query_aware", "ratio": 0.0,
+                     "n": 3, "accuracy_mean": 0.9, "accuracy_se": 0.1})  # fmt: skip
+        for k, m in enumerate(methods):
+            rows.append({"method": m, "task": task, "setting": "query_aware", "ratio": 0.5,
+                         "n": 3, "accuracy_mean": 0.2 * k, "accuracy_se": 0.1})  # fmt: skip
+    figure = plot_ruler(pd.DataFrame(rows))
+    colours: dict[str, set[str]] = {}
+    for ax in figure.axes:
+        for bars in ax.containers:  # one errorbar container per method and panel
+            colours.setdefault(bars.get_label(), set()).add(str(bars.lines[0].get_color()))
+    assert set(colours) == {"a", "b", "c"} and all(len(c) == 1 for c in colours.values())
+    legend = [t.get_text() for ax in figure.axes if ax.get_legend() for t in ax.get_legend().texts]
+    assert legend == ["a", "b", "c"]
+
+
 def test_method_pairs_and_ranking_find_a_known_winner_per_task_and_setting() -> None:
     """Synthetic rows with a known answer: in niah_single "good" finds every needle and
     "bad" none, so good beats bad, and the coin flip "coin" loses to good and beats bad

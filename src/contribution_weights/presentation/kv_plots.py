@@ -84,6 +84,7 @@ def plot_ruler(
     line sits near 0 is one the model cannot do."""
     tasks = list(dict.fromkeys(summary["task"]))
     settings = list(dict.fromkeys(summary["setting"]))
+    methods = [m for m in dict.fromkeys(summary["method"]) if m != "none"]
     if not tasks:
         raise ValueError("the summary has no rows to plot")
     fig, grid = plt.subplots(
@@ -95,7 +96,7 @@ def plot_ruler(
         for c, task in enumerate(tasks):
             ax = axes[r, c]
             cell = summary[(summary["task"] == task) & (summary["setting"] == setting)]
-            _lines(ax, cell, "accuracy_mean", "accuracy_se")
+            _lines(ax, cell, "accuracy_mean", "accuracy_se", order=methods)
             base = cell.loc[cell["method"] == "none", "accuracy_mean"]
             if not base.empty:
                 ax.axhline(float(base.iloc[0]), color="black", linewidth=0.9, linestyle=":")
@@ -109,22 +110,41 @@ def plot_ruler(
                 ax.set_ylabel("accuracy (string match)")
     for ax in grid[:, -1]:
         ax.axis("off")
-    handles, labels = axes[0, 0].get_legend_handles_labels()
-    grid[0, -1].legend(handles, labels, loc="upper left", fontsize=7, frameon=False)
+    legend: dict[str, Any] = {}  # every method once, whichever panel drew it
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            legend.setdefault(label, handle)
+    grid[0, -1].legend(list(legend.values()), list(legend), loc="upper left", fontsize=7,
+                       frameon=False)  # fmt: skip
     return finish(fig, path, title, dpi=130, fontsize=10)
 
 
-def _lines(ax: Any, frame: pd.DataFrame, mean: str, se: str, x: str = "ratio") -> None:
+def _colour(i: int, count: int) -> Any:
+    """The ``i``-th of ``count`` method colours: matplotlib's cycle, or tab20 beyond ten."""
+    return f"C{i % 10}" if count <= 10 else plt.get_cmap("tab20")(i % 20)
+
+
+def _lines(
+    ax: Any,
+    frame: pd.DataFrame,
+    mean: str,
+    se: str,
+    x: str = "ratio",
+    order: list[str] | None = None,
+) -> None:
     """A line per method against ``x``. Against ratio every line starts at the ratio-0
-    point (method ``none``); against anything else ``none`` is a line of its own, in black."""
+    point (method ``none``); against anything else ``none`` is a line of its own, in black.
+    ``order`` (every method of the figure) keeps a method's colour the same in every panel."""
     base = frame[frame["method"] == "none"]
     methods = [m for m in dict.fromkeys(frame["method"]) if m != "none"]
+    order = order or methods
     if x != "ratio" and not base.empty:
         g = base.sort_values(x)
         ax.errorbar(g[x].to_numpy(float), g[mean].to_numpy(float),
                     yerr=g[se].fillna(0).to_numpy(float), label="no compression",
                     color="black", linewidth=1.6, marker="s", capsize=2)  # fmt: skip
-    for i, method in enumerate(methods):
+    for method in methods:
+        i = order.index(method)
         g = frame[frame["method"] == method]
         g = (pd.concat([base, g]) if x == "ratio" else g).sort_values(x)
         ours = method in OURS
@@ -134,7 +154,7 @@ def _lines(ax: Any, frame: pd.DataFrame, mean: str, se: str, x: str = "ratio") -
             yerr=g[se].fillna(0).to_numpy(float),
             label=method,
             color="tab:red" if method == "contribution_sinks" else (
-                "darkred" if method == "contribution" else f"C{i % 10}"),
+                "darkred" if method == "contribution" else _colour(i, len(order))),
             linewidth=2.4 if ours else 1.2,
             linestyle="-" if ours else "--",
             marker="o" if ours else ".",
