@@ -222,7 +222,8 @@ def method_ranking(
     metric = METRIC[task]
     pairs = method_pairs(per_item, task) if pairs is None else pairs
     parts = []
-    settings = pairs["setting"].fillna("").astype(str)  # "" outside RULER reads back as NaN
+    # "" outside RULER reads back from the CSV as NaN
+    settings = pairs["setting"].astype(object).where(pairs["setting"].notna(), "").astype(str)
     for name, setting, frame in _families(per_item, task):
         own = pairs[(pairs["task"] == name) & (settings == setting)]
         own = own.rename(columns={"ratio": "rate"}).assign(mode=metric)
