@@ -269,9 +269,7 @@ def ranking_table(
     *,
     resamples: int = RESAMPLES,
     seed: int = SEED,
-    higher_is_better: bool | None = None,
     pairs: pd.DataFrame | None = None,
-    test: str = "t",
 ) -> pd.DataFrame:
     """Per (mode, rate, ranking): n, the mean and standard error of ``metric`` over
     sequences, and how many other rankings it beats (``wins``), loses to (``losses``)
@@ -283,10 +281,7 @@ def ranking_table(
         return pd.DataFrame(columns=RANKING_COLUMNS)
     rows = pool_seeds(per_sequence, "seq", [metric])
     if pairs is None:
-        pairs = paired_differences(
-            per_sequence, None, metric, resamples=resamples, seed=seed,
-            higher_is_better=higher_is_better, test=test,
-        )  # fmt: skip
+        pairs = paired_differences(per_sequence, None, metric, resamples=resamples, seed=seed)
     tally: dict[tuple[str, float, str], list[int]] = {}
     for r in pairs.itertuples():
         for name, won in ((r.reference, REFERENCE_BETTER), (r.other, OTHER_BETTER)):
