@@ -237,6 +237,16 @@ def test_loading_a_trace_of_an_unregistered_measure_says_to_register_it(tmp_path
         MEASURES.unregister("vw2")
 
 
+@pytest.mark.parametrize("name", ["recency", "random", "random:3", "Flow", "rollout", "alti"])
+def test_a_measure_cannot_take_a_baseline_rankings_name(name):
+    """Removal experiments name their baselines beside the measures; a measure called
+    ``flow`` would be silently replaced by the flow baseline there, so it is refused."""
+    before = cw.measure_names()
+    with pytest.raises(ValueError, match=f"cannot be named '{name}'.*baseline ranking"):
+        cw.register_measure(cw.Measure(name, lambda lt: lt.probs, "a test measure"))
+    assert cw.measure_names() == before
+
+
 def test_the_pieces_of_a_measure_are_exported_with_it():
     """``cw.measures.RowScaled`` and the rest, beside ``cw.Measure``, for a new measure."""
     from contribution_weights.measures import registry

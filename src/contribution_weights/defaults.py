@@ -33,6 +33,8 @@ MODES = ("comprehensiveness", "sufficiency")
 INTERVENTIONS = ("value_zero", "key_mask", "mean_value")
 SCOPES = ("layer", "global")
 SINK_COSINE = 0.95
+#: rankings that read no measure: seeded uniform scores, and the latest tokens first
+BASELINES = ("random", "recency")
 #: end-to-end rankings a removal sweep can run as baselines: one score per token for the
 #: whole text (the composed flow of every position's final state), the same in every layer
 #: and head (``attribution.flow.token_flow_scores``)

@@ -22,6 +22,7 @@ import torch
 
 from ..attribution.flow import end_to_end_scores
 from ..data import ChoiceItem
+from ..defaults import BASELINES
 from ..interventions import (
     CLEAN,
     DEFAULT_MEMORY_BYTES,
@@ -33,7 +34,6 @@ from ..interventions import (
 from ..loading import LoadedModel
 from ..runs import fingerprint, renamed_keyword
 from .options import (  # the options are light: the CLI reads them before torch
-    BASELINES,
     DEFAULT_MEASURES,
     DEFAULT_RATES,
     DownstreamOptions,

@@ -19,6 +19,7 @@ import pandas as pd
 from torch import Tensor
 
 from ..attribution.flow import end_to_end_scores
+from ..defaults import BASELINES
 from ..inputs import encode
 from ..interventions import (
     CLEAN,
@@ -32,7 +33,6 @@ from ..interventions import (
 from ..loading import LoadedModel
 from ..runs import fingerprint, renamed_keyword
 from .options import (  # the options are light: the CLI reads them before torch
-    BASELINES,
     DEFAULT_MEASURES,
     DEFAULT_RATES,
     FaithfulnessOptions,

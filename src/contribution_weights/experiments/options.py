@@ -25,6 +25,7 @@ from ..defaults import (
     ATTRIBUTION_METHODS,
     ATTRIBUTION_RATES,
     ATTRIBUTION_TASKS,
+    BASELINES,
     END_TO_END_RANKINGS,
     INTERVENTIONS,
     KV_RATIOS,
@@ -48,8 +49,6 @@ from ..fields import option as option
 from ..fields import split_names as split_names
 
 DEFAULT_MEASURES = ("attention", "vw", "vw_on", "ihc")
-#: rankings that read no measure: seeded uniform scores, and the latest tokens first
-BASELINES = ("random", "recency")
 #: what a removal sweep may run as baselines: those, and the end-to-end attributions
 REMOVAL_BASELINES = (*BASELINES, *END_TO_END_RANKINGS)
 DEFAULT_RATES = (0.1, 0.2, 0.3, 0.4, 0.5)

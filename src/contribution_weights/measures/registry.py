@@ -43,6 +43,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from ..defaults import BASELINES, END_TO_END_RANKINGS
 from ..registry import Registry
 from . import layer
 from .layer import Factors, LayerTensors, LayerVectors, safe_div
@@ -172,7 +173,18 @@ MEASURES: Registry[Measure] = Registry("measure", in_all=lambda m: m.in_all)
 
 
 def register_measure(measure: Measure) -> Measure:
-    """Add (or replace) a measure; it becomes available everywhere by its name."""
+    """Add (or replace) a measure; it becomes available everywhere by its name.
+
+    The names of the removal experiments' baseline rankings (``random``, ``random:SEED``,
+    ``recency``, ``flow``, ``rollout``, ``alti``) are refused: a measure of that name
+    would be shadowed by the baseline wherever rankings are named.
+    """
+    name = measure.name.strip().lower()
+    if name in (*BASELINES, *END_TO_END_RANKINGS) or name.startswith("random:"):
+        raise ValueError(
+            f"a measure cannot be named {measure.name!r}: removal experiments use that name "
+            "for a baseline ranking; choose another name"
+        )
     return MEASURES.register(measure)
 
 
