@@ -93,15 +93,19 @@ class CompressedCache:
         plus the generated ones, ``(B, n + generated)``.
 
         transformers infers what is already cached from the cache length, so the call is
-        given ``n_kept`` placeholder tokens in front (never run: they stand for the cached
-        entries, padded slots included) and explicit positions that continue at the prefill
-        length.
+        given as many placeholder tokens in front as it reads there (never run: they stand
+        for the cached entries, padded slots included) and explicit positions that continue
+        at the prefill length. It reads the length of layer 0, which a model whose first
+        layer is not compressed (Gemma's sliding-window layers) holds in full: the
+        placeholders follow that layer, not the compressed ones, or transformers would feed
+        some of them to the model as tokens.
         """
-        cached = self.cache.get_seq_length(self._first_kept_layer())
+        cached = self.cache.get_seq_length()  # what transformers' generate reads (layer 0)
         b, n = input_ids.shape
         filler = torch.zeros(b, cached, dtype=input_ids.dtype, device=input_ids.device)
         full = torch.cat([filler, input_ids], dim=1)
-        offset = cached - self._cached_after_prefill()
+        seen = self.cache.get_seq_length(self._first_kept_layer())
+        offset = seen - self._cached_after_prefill()
         positions = torch.cat(
             [torch.zeros(1, cached, dtype=torch.long), self.position_ids(n, offset)], dim=1
         ).expand(b, -1)
