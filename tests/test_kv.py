@@ -142,6 +142,59 @@ def test_generate_on_a_compressed_cache_matches_a_manual_greedy_loop(family: str
     assert torch.equal(gen, tokens)
 
 
+def test_reserved_layers_grow_in_place_and_equal_concatenation() -> None:
+    """Generation writes new keys and values into reserved room instead of concatenating
+    (which copies the whole cache at every token); the contents are the concatenation's,
+    past the reserved room too, and after the keys were replaced from outside (a crop)."""
+    from transformers.cache_utils import DynamicLayer
+
+    from contribution_weights.kv.cache import reserve
+
+    torch.manual_seed(0)
+    plain, cache = DynamicLayer(), type("Cache", (), {})()
+    k0, v0 = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 5, 4)
+    plain.update(k0, v0)
+    cache.layers = [plain]
+    reserve(cache, 3)
+    layer = cache.layers[0]
+    assert layer is not plain and isinstance(layer, DynamicLayer)
+    room = layer.room[0].data_ptr()
+    ref_k, ref_v = k0, v0
+    for m in (2, 1, 6):  # 3 fit in the room; 6 more make it grow
+        k, v = torch.randn(2, 3, m, 4), torch.randn(2, 3, m, 4)
+        keys, values = layer.update(k, v)
+        ref_k, ref_v = torch.cat([ref_k, k], -2), torch.cat([ref_v, v], -2)
+        assert torch.equal(keys, ref_k) and torch.equal(values, ref_v)
+        assert layer.get_seq_length() == ref_k.shape[-2]
+        if m < 6:
+            assert layer.room[0].data_ptr() == room  # written in place
+    layer.keys, layer.values = layer.keys[..., :4, :], layer.values[..., :4, :]  # a crop
+    k, v = torch.randn(2, 3, 1, 4), torch.randn(2, 3, 1, 4)
+    keys, values = layer.update(k, v)
+    assert torch.equal(keys, torch.cat([ref_k[..., :4, :], k], -2))
+    assert torch.equal(values, torch.cat([ref_v[..., :4, :], v], -2))
+
+
+def test_generating_twice_on_one_cache_continues_it() -> None:
+    """A second generate on the cache the first one grew (past its reserved room) gives
+    the tokens of one step-by-step greedy loop."""
+    model = tiny_model("llama", dtype=torch.float64)
+    ids = _ids(T + 2, seed=11)
+    pre = kv.prefill(model, ids[:, :T], window=WINDOW)
+    small = kv.compress(pre, "snapkv", 0.5)
+    first = small.generate(model.model, ids[:, T:], max_new_tokens=3, do_sample=False)
+    second = small.generate(model.model, first[:, -1:], max_new_tokens=4, do_sample=False)
+    manual = kv.compress(pre, "snapkv", 0.5)
+    tokens = step = ids[:, T:]
+    with torch.no_grad():
+        for _ in range(7):
+            nxt = manual.forward(model.model, step).logits[:, -1].argmax(-1, keepdim=True)
+            tokens = torch.cat([tokens, nxt], dim=1)
+            step = nxt
+    assert torch.equal(first, tokens[:, :5])
+    assert torch.equal(second[:, 1:], tokens[:, 5:])
+
+
 def test_sink_protection_keeps_sinks() -> None:
     model = tiny_model("llama", dtype=torch.float64)
     pre = kv.prefill(model, _ids(T, seed=8), window=WINDOW)

@@ -23,6 +23,7 @@ cache. Without padded slots (every equal-count method) nothing of this runs.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -102,6 +103,7 @@ class CompressedCache:
         """
         cached = self.cache.get_seq_length()  # what transformers' generate reads (layer 0)
         b, n = input_ids.shape
+        reserve(self.cache, n + int(kwargs.get("max_new_tokens") or 0))
         filler = torch.zeros(b, cached, dtype=input_ids.dtype, device=input_ids.device)
         full = torch.cat([filler, input_ids], dim=1)
         seen = self.cache.get_seq_length(self._first_kept_layer())
@@ -147,6 +149,76 @@ class CompressedCache:
         if not self.kept:
             return self.length
         return int(self.kept[self._first_kept_layer()].shape[-1])
+
+
+def reserve(cache: Any, extra: int) -> None:
+    """Give every plain growing layer of ``cache`` (transformers' ``DynamicLayer``) room for
+    ``extra`` more entries, so that generation writes each new token's key and value in
+    place: a plain layer concatenates instead, copying its whole cache at every generated
+    token (about 15% of a 4,096-token RULER item's time on SmolLM2). Other layer types
+    (sliding windows) are left as they are."""
+    from transformers.cache_utils import DynamicLayer
+
+    reserved = _reserved_layer()
+    for i, layer in enumerate(cache.layers):
+        if isinstance(layer, reserved):
+            layer.make_room(extra)
+        elif type(layer) is DynamicLayer and layer.get_seq_length() > 0:
+            cache.layers[i] = reserved.around(layer, extra)
+
+
+@functools.cache
+def _reserved_layer() -> Any:
+    """The class of :func:`reserve`'s layers (built on first use: transformers loads late)."""
+    from transformers.cache_utils import DynamicLayer
+
+    class ReservedLayer(DynamicLayer):
+        """A ``DynamicLayer`` whose keys and values are the first ``used`` entries of
+        larger buffers (``room``)."""
+
+        room: tuple[Tensor, Tensor]
+        used: int
+
+        @classmethod
+        def around(cls, layer: Any, extra: int) -> Any:
+            new = cls.__new__(cls)
+            new.__dict__.update(layer.__dict__)
+            new.room, new.used = (layer.keys, layer.values), layer.keys.shape[-2]
+            new.make_room(extra)
+            return new
+
+        def make_room(self, extra: int) -> None:
+            """Buffers with room for ``extra`` more entries after the ``used`` ones."""
+            n = self.used
+            if n + extra > self.room[0].shape[-2]:
+                k, v = (
+                    torch.cat(
+                        [old[..., :n, :], old.new_empty(*old.shape[:-2], extra, old.shape[-1])], -2
+                    )
+                    for old in self.room
+                )
+                self.room = (k, v)
+            self.keys, self.values = self.room[0][..., :n, :], self.room[1][..., :n, :]
+
+        def update(
+            self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any
+        ) -> tuple[Tensor, Tensor]:
+            current: Any = self.keys
+            values: Any = self.values
+            if current.data_ptr() != self.room[0].data_ptr() or current.shape[-2] != self.used:
+                # keys replaced behind our back (a copy's, a crop): they become the room
+                self.room, self.used = (current, values), current.shape[-2]
+            n, m = self.used, key_states.shape[-2]
+            if n + m > self.room[0].shape[-2]:  # more than reserved: grow by doubling
+                self.make_room(max(m, n))
+            keys, values = self.room
+            keys[..., n : n + m, :] = key_states
+            values[..., n : n + m, :] = value_states
+            self.used = n + m
+            self.keys, self.values = keys[..., : n + m, :], values[..., : n + m, :]
+            return keys[..., : n + m, :], values[..., : n + m, :]
+
+    return ReservedLayer
 
 
 def stackable(cache: CompressedCache) -> tuple[Any, ...] | None:
