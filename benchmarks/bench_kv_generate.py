@@ -53,7 +53,7 @@ def main() -> int:
     outputs: dict[str, Any] = {}
 
     def generate(reserved: bool) -> None:
-        kv_cache.reserve = reserve if reserved else (lambda cache, extra: None)  # type: ignore[assignment]
+        kv_cache.reserve = reserve if reserved else (lambda cache, extra: None)
         try:
             rows = [kv.compress(pre, "snapkv", 0.25) for _ in range(args.rows)]
             stacked = kv_cache.stack_caches(rows)

@@ -175,8 +175,45 @@ def test_reserved_layers_grow_in_place_and_equal_concatenation() -> None:
     assert torch.equal(values, torch.cat([ref_v[..., :4, :], v], -2))
 
 
+def _crop_stack_reset(model: Any, pre: Any, ids: Tensor) -> tuple[list[Tensor], list[int]]:
+    """Generate, crop, generate again, stack the result with a copy of itself and generate."""
+    from contribution_weights.kv import cache as kv_cache
+
+    small = kv.compress(pre, "snapkv", 0.5)
+    outs = [small.generate(model.model, ids, max_new_tokens=3, do_sample=False)]
+    small.cache.crop(-2)  # as transformers' assisted decoding does at its end
+    outs.append(small.generate(model.model, ids[:, :1], max_new_tokens=3, do_sample=False))
+    lengths = [small.cache.get_seq_length()]
+    twin = copy.copy(small)
+    twin.cache = copy.deepcopy(small.cache)
+    stacked = kv_cache.stack_caches([small, twin])  # shallow copies of the first's layers
+    outs.append(
+        stacked.generate(model.model, ids[:, :1].expand(2, -1), max_new_tokens=2, do_sample=False)
+    )
+    lengths.append(stacked.cache.get_seq_length())
+    return outs, lengths
+
+
+def test_reserved_generation_equals_concatenation_after_crops_and_stacks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Keys set from outside between generations (a crop, a stacked copy) are adopted:
+    every output and length equals the plain concatenating cache's."""
+    from contribution_weights.kv import cache as kv_cache
+
+    model = tiny_model("llama", dtype=torch.float64)
+    ids = _ids(T + 2, seed=12)
+    pre = kv.prefill(model, ids[:, :T], window=WINDOW)
+    reserved = _crop_stack_reset(model, pre, ids[:, T:])
+    monkeypatch.setattr(kv_cache, "reserve", lambda cache, extra: None)
+    plain = _crop_stack_reset(model, pre, ids[:, T:])
+    assert reserved[1] == plain[1]
+    for a, b in zip(reserved[0], plain[0], strict=True):
+        assert torch.equal(a, b)
+
+
 def test_generating_twice_on_one_cache_continues_it() -> None:
-    """A second generate on the cache the first one grew (past its reserved room) gives
+    """A second generate on the cache the first one grew (its room made larger) gives
     the tokens of one step-by-step greedy loop."""
     model = tiny_model("llama", dtype=torch.float64)
     ids = _ids(T + 2, seed=11)

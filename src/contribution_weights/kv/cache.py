@@ -174,49 +174,69 @@ def _reserved_layer() -> Any:
 
     class ReservedLayer(DynamicLayer):
         """A ``DynamicLayer`` whose keys and values are the first ``used`` entries of
-        larger buffers (``room``)."""
+        larger buffers (``room``). Keys and values set from outside (a crop, a reset, a
+        copy's) are adopted as the new room before anything is written."""
 
         room: tuple[Tensor, Tensor]
         used: int
+        view: tuple[Any, Any]  # the keys and values this layer last set
 
         @classmethod
         def around(cls, layer: Any, extra: int) -> Any:
             new = cls.__new__(cls)
             new.__dict__.update(layer.__dict__)
-            new.room, new.used = (layer.keys, layer.values), layer.keys.shape[-2]
+            new.view = (None, None)
             new.make_room(extra)
             return new
 
+        def __copy__(self) -> Any:
+            # a shallow copy must not write into this layer's buffers: it adopts its
+            # current views as its own room, which grows (copies) before any write
+            new = type(self).__new__(type(self))
+            new.__dict__.update(self.__dict__)
+            new.view = (None, None)
+            return new
+
+        def _sync(self) -> None:
+            if self.keys is not self.view[0] or self.values is not self.view[1]:
+                keys: Any = self.keys
+                values: Any = self.values
+                self.room, self.used = (keys, values), int(keys.shape[-2])
+                self.view = (self.keys, self.values)
+
+        def _show(self, n: int) -> None:
+            self.used = n
+            self.keys, self.values = self.room[0][..., :n, :], self.room[1][..., :n, :]
+            self.view = (self.keys, self.values)
+
         def make_room(self, extra: int) -> None:
             """Buffers with room for ``extra`` more entries after the ``used`` ones."""
+            self._sync()
             n = self.used
             if n + extra > self.room[0].shape[-2]:
                 k, v = (
                     torch.cat(
-                        [old[..., :n, :], old.new_empty(*old.shape[:-2], extra, old.shape[-1])], -2
+                        [old[..., :n, :], old.new_empty(*old.shape[:-2], extra, old.shape[-1])],
+                        -2,
                     )
                     for old in self.room
                 )
                 self.room = (k, v)
-            self.keys, self.values = self.room[0][..., :n, :], self.room[1][..., :n, :]
+            self._show(n)
 
         def update(
             self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any
         ) -> tuple[Tensor, Tensor]:
-            current: Any = self.keys
-            values: Any = self.values
-            if current.data_ptr() != self.room[0].data_ptr() or current.shape[-2] != self.used:
-                # keys replaced behind our back (a copy's, a crop): they become the room
-                self.room, self.used = (current, values), current.shape[-2]
+            if not self.is_initialized or self.keys is None:  # after a reset: start plainly
+                return super().update(key_states, value_states, *args, **kwargs)
+            self._sync()
             n, m = self.used, key_states.shape[-2]
             if n + m > self.room[0].shape[-2]:  # more than reserved: grow by doubling
                 self.make_room(max(m, n))
-            keys, values = self.room
-            keys[..., n : n + m, :] = key_states
-            values[..., n : n + m, :] = value_states
-            self.used = n + m
-            self.keys, self.values = keys[..., : n + m, :], values[..., : n + m, :]
-            return keys[..., : n + m, :], values[..., : n + m, :]
+            self.room[0][..., n : n + m, :] = key_states
+            self.room[1][..., n : n + m, :] = value_states
+            self._show(n + m)
+            return self.room[0][..., : n + m, :], self.room[1][..., : n + m, :]
 
     return ReservedLayer
 
