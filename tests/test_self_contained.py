@@ -77,6 +77,44 @@ def test_docs_links_resolve():
     assert not missing, missing
 
 
+def _heading_slugs(markdown: str) -> set[str]:
+    """The anchors GitHub gives a document's headings: lower case, punctuation and symbols
+    dropped (letters, digits, ``_``, ``-`` and spaces kept), spaces as ``-``; repeats get
+    ``-1``, ``-2``, …"""
+    slugs: set[str] = set()
+    in_code = False
+    for line in markdown.splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        if in_code or not re.match(r"#{1,6} ", line):
+            continue
+        text = re.sub(r"`([^`]*)`", r"\1", line.lstrip("#").strip())
+        text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text)  # a link's text only
+        slug = re.sub(r"[^\w\- ]", "", text.lower()).replace(" ", "-")
+        base, k = slug, 0
+        while slug in slugs:
+            k += 1
+            slug = f"{base}-{k}"
+        slugs.add(slug)
+    return slugs
+
+
+def test_docs_anchors_resolve():
+    """Links to a heading (``doc.md#anchor``, ``#anchor``) in the README and docs name a
+    heading that exists."""
+    docs = [REPO / "README.md", *(REPO / "docs").glob("*.md")]
+    slugs = {doc.resolve(): _heading_slugs(doc.read_text("utf-8")) for doc in docs}
+    missing = []
+    for doc in docs:
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", doc.read_text("utf-8")):
+            if "://" in target or not (target == "" or target.endswith(".md")):
+                continue
+            path = (doc.parent / target).resolve() if target else doc.resolve()
+            if path in slugs and anchor not in slugs[path]:
+                missing.append(f"{doc.relative_to(REPO)} -> {target}#{anchor}")
+    assert not missing, missing
+
+
 def test_licence_is_an_spdx_expression():
     tomllib = pytest.importorskip("tomllib")
     project = tomllib.loads((REPO / "pyproject.toml").read_text("utf-8"))
