@@ -68,3 +68,15 @@ def reference_logits(
     finally:
         evicted_entries.clear()
         model.set_attn_implementation(previous)
+
+
+def greedy_tokens(cache: Any, model: Any, ids: Tensor, steps: int) -> Tensor:
+    """``ids`` and ``steps`` greedy tokens after them, one ``cache.forward`` per token: the
+    step-by-step loop that ``CompressedCache.generate`` must reproduce."""
+    tokens = step = ids
+    with torch.no_grad():
+        for _ in range(steps):
+            nxt = cache.forward(model, step).logits[:, -1].argmax(-1, keepdim=True)
+            tokens = torch.cat([tokens, nxt], dim=1)
+            step = nxt
+    return tokens

@@ -17,7 +17,7 @@ import pandas as pd
 import pytest
 import torch
 from reference import eager_run, reference_layer
-from reference_kv import evicted_entries, reference_attention, reference_logits
+from reference_kv import evicted_entries, greedy_tokens, reference_attention, reference_logits
 from tiny_models import tiny_model
 from torch import Tensor, nn
 
@@ -132,14 +132,7 @@ def test_generate_on_a_compressed_cache_matches_a_manual_greedy_loop(family: str
         del inner.forward
     assert fed == [3, 1, 1, 1, 1]  # the new tokens, then one generated token a step
     manual = kv.compress(pre, "contribution_sinks", 0.5)
-    tokens = ids[:, T:]
-    step = tokens
-    with torch.no_grad():
-        for _ in range(5):
-            nxt = manual.forward(model.model, step).logits[:, -1].argmax(-1, keepdim=True)
-            tokens = torch.cat([tokens, nxt], dim=1)
-            step = nxt
-    assert torch.equal(gen, tokens)
+    assert torch.equal(gen, greedy_tokens(manual, model.model, ids[:, T:], 5))
 
 
 def test_reserved_layers_grow_in_place_and_equal_concatenation() -> None:
@@ -221,13 +214,7 @@ def test_generating_twice_on_one_cache_continues_it() -> None:
     small = kv.compress(pre, "snapkv", 0.5)
     first = small.generate(model.model, ids[:, T:], max_new_tokens=3, do_sample=False)
     second = small.generate(model.model, first[:, -1:], max_new_tokens=4, do_sample=False)
-    manual = kv.compress(pre, "snapkv", 0.5)
-    tokens = step = ids[:, T:]
-    with torch.no_grad():
-        for _ in range(7):
-            nxt = manual.forward(model.model, step).logits[:, -1].argmax(-1, keepdim=True)
-            tokens = torch.cat([tokens, nxt], dim=1)
-            step = nxt
+    tokens = greedy_tokens(kv.compress(pre, "snapkv", 0.5), model.model, ids[:, T:], 7)
     assert torch.equal(first, tokens[:, :5])
     assert torch.equal(second[:, 1:], tokens[:, 5:])
 

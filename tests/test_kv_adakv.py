@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from reference_kv import reference_logits
+from reference_kv import greedy_tokens, reference_logits
 from tiny_models import tiny_model
 from torch import Tensor
 
@@ -195,12 +195,7 @@ def test_generate_after_an_adakv_compression_matches_a_manual_greedy_loop() -> N
     assert small.padded()
     gen = small.generate(model.model, ids[:, T:], max_new_tokens=5, do_sample=False)
     manual = kv.compress(pre, "adakv_contribution", 0.5)
-    tokens = step = ids[:, T:]
-    with torch.no_grad():
-        for _ in range(5):
-            nxt = manual.forward(model.model, step).logits[:, -1].argmax(-1, keepdim=True)
-            tokens = torch.cat([tokens, nxt], dim=1)
-            step = nxt
+    tokens = greedy_tokens(manual, model.model, ids[:, T:], 5)
     assert torch.equal(gen, tokens)
     assert model.model.config._attn_implementation == "sdpa"
     # and the greedy tokens are those of the reference over the kept entries
