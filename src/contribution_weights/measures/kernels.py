@@ -21,9 +21,10 @@ Two implementations of one contract:
 trace's recorder falls back to the plain path, with a warning, when compilation fails (no
 C++ compiler, say). Tests
 compare the two (tests/test_kernels.py). benchmarks/bench_kernels.py measured the choice:
-on CPUs the compiled trace was slower (why is not established: the fused sums alone are
-faster, ``bench_kernels.py --block``), so ``"auto"`` does not compile there; on GPUs the
-choice waits for benchmarks/bench_gpu.py's ``no-maps-compiled`` row.
+on CPUs the compiled trace was slower (the fused graph sums every field of every measure
+and reads the top keys' candidates again through the recipes, where the plain path sums
+only what each measure needs: docs/long-contexts.md), so ``"auto"`` does not compile
+there; on GPUs the choice waits for benchmarks/bench_gpu.py's ``no-maps-compiled`` row.
 """
 
 # ruff: noqa: F722  (jaxtyping shape strings are not forward references)
