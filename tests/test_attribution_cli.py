@@ -30,7 +30,7 @@ def folder(tmp_path_factory):
         (["--token-id", "5000"], "outside the model's vocabulary"),
         (["--token", "ab", "--foil", "ab", "--quantity", "contrast"], "contrasted with itself"),
         (["--token", "abc"], "not one"),
-        (["--method", "nope"], "unknown attribution method"),
+        (["--methods", "nope"], "unknown attribution method"),
         (["--foil", "a"], "only read by --quantity contrast"),
     ],
 )
@@ -47,7 +47,7 @@ def test_bad_targets_exit_2_before_the_model_loads(folder, monkeypatch, capsys, 
 def test_a_run_writes_json_figures_routes_and_html(folder, tmp_path, capsys):
     out = tmp_path / "a"
     code = main(
-        ["attribute", "--text", "abcabcab", "--model", str(folder), "--method",
+        ["attribute", "--text", "abcabcab", "--model", str(folder), "--methods",
          "flow,rollout", "--routes", "--threshold", "0.05", "--out", str(out)]
     )  # fmt: skip
     assert code == 0
@@ -92,3 +92,46 @@ def test_flow_alone_runs_one_forward():
     finally:
         handle.remove()
     assert len(calls) == 1
+
+
+def test_a_second_run_without_routes_leaves_no_stale_routes(folder, tmp_path, capsys):
+    """An earlier run's routes (files and figure) are not left beside another attribution,
+    and the "wrote" line lists what this run wrote."""
+    out = tmp_path / "a"
+    base = ["attribute", "--model", str(folder), "--out", str(out)]
+    assert main([*base, "--text", "abcabcab", "--routes"]) == 0
+    assert (out / "routes.json").is_file() and (out / "routes.png").is_file()
+    capsys.readouterr()
+    assert main([*base, "--text", "bcdbcd"]) == 0
+    wrote = capsys.readouterr().out.strip().splitlines()[-1]
+    assert wrote.startswith("wrote ") and "routes" not in wrote and "attribution.json" in wrote
+    assert not (out / "routes.json").exists() and not (out / "routes.png").exists()
+    assert Attribution.load(out).routes is None
+
+
+def test_a_continuation_is_never_truncated(folder, monkeypatch, capsys):
+    """--truncate would cut the prompt's end, just before the continuation: refused, and
+    --max-tokens counts the prompt and the continuation together, before the model loads."""
+
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded before the length was checked")
+
+    monkeypatch.setattr(loading, "load_model", refuse)
+    base = ["attribute", "--text", "abcdef", "--model", str(folder), "--continuation", "gh"]
+    for extra in (["--max-tokens", "4", "--truncate"], ["--max-tokens", "7"]):
+        assert main([*base, *extra]) == 2
+        err = capsys.readouterr().err
+        assert "never truncated" in err and "more than" in err
+
+
+def test_api_continuation_length_and_top_tokens():
+    model = tiny_model("qwen3", dtype=torch.float64)
+    ids = torch.randint(3, 90, (8,))
+    with pytest.raises(TargetError, match="make 11 tokens, more than 10"):
+        cw.attribute(model, ids, continuation=[9, 10, 11], max_tokens=10, truncate=True)
+    a = cw.attribute(model, ids, target=4, quantity="logit")
+    top = a.top(10)
+    row = a["flow"][0]
+    assert [p for p, _, _ in top] == torch.argsort(row[:5].abs(), descending=True).tolist()
+    assert all(p <= 4 for p, _, _ in top)  # no token after the target is listed
+    assert [s for _, _, s in top] == pytest.approx(row[[p for p, _, _ in top]].tolist())

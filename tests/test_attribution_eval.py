@@ -114,6 +114,8 @@ def test_a_deletion_run_writes_its_tables_and_resumes(tmp_path):
     assert {"measure", "comp_key_mask", "suff_embedding"} <= set(result.summary.columns)
     for name in ("summary.csv", "curves.csv", "paired.csv", "rows.csv"):
         assert (tmp_path / name).is_file()
+    assert not (tmp_path / "hits_paired.csv").exists()  # no known answers, no hit tests
+    assert result.summary["top1_all"].isna().all()  # not a 0% hit rate
     again = attribution_eval(model, texts, options=options, out=tmp_path, resume=True)
     pd.testing.assert_frame_equal(again.rows, result.rows, check_dtype=False)
     cw.plot(again, tmp_path / "attribution-eval.png")

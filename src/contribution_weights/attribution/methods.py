@@ -19,9 +19,9 @@ class AttributionMethod:
     """One way to attribute a prediction to input tokens.
 
     Attributes:
-        name: what users type (``--method NAME``).
+        name: what users type (``--methods NAME``).
         entry: ``"module:function"``, relative to this package, or a callable's dotted path.
-        description: one line for ``cw attribute --list`` and the docs.
+        description: one line for ``cw attribute --help`` and the docs.
         scalar: whether it explains a scalar target (gradient methods); pure flows
             (rollouts) explain the position's final state and ignore the token.
         cost: its cost in forward passes, for the listing.

@@ -41,8 +41,8 @@ class AttributeOptions(Options):
         "and the continuation tokens before it", flag="--continuation",
     )  # fmt: skip
     methods: list[str] = option(
-        ["flow"], "attribution methods, comma-separated or 'all' (`cw attribute --list` "
-        "names them)", flag="--method", parse="names",
+        ["flow"], "attribution methods, comma-separated or 'all' (`cw attribute --help` "
+        "describes each)", flag="--methods", parse="names", aliases=("--method",),
     )  # fmt: skip
     steps: int = option(50, "integrated gradients: interpolation steps", flag="--steps",
                         parse="int")  # fmt: skip
@@ -54,9 +54,11 @@ class AttributeOptions(Options):
     )  # fmt: skip
     compute_dtype: str = option("float32", "dtype of the flow's arithmetic",
                                 flag="--compute-dtype", choices=COMPUTE_DTYPES)  # fmt: skip
-    max_tokens: int | None = option(None, "longest text accepted", flag="--max-tokens",
-                                    parse="int")  # fmt: skip
-    truncate: bool = option(False, "keep the first --max-tokens tokens of a longer text",
+    max_tokens: int | None = option(None, "longest input accepted, a continuation included "
+                                    "(default: the model's context length)",
+                                    flag="--max-tokens", parse="int")  # fmt: skip
+    truncate: bool = option(False, "keep the first --max-tokens tokens of a longer text "
+                            "(not with --continuation: its prompt is never cut)",
                             flag="--truncate", parse="flag")  # fmt: skip
 
     def validate(self) -> None:

@@ -123,10 +123,13 @@ class Attribution:
     def top(
         self, k: int = 10, method: str | None = None, target: int = 0
     ) -> list[tuple[int, str, float]]:
-        """The ``k`` tokens with the largest scores: (position, text, score)."""
+        """The ``k`` tokens that drive the target most, by the size of their score (a
+        token that pushes the target down counts as much as one that pushes it up), among
+        the positions up to the target's own (no later token can drive it):
+        ``(position, text, signed score)``."""
         name = method or self.methods[0]
-        row = self[name][target]
-        order = torch.argsort(row, descending=True)[:k]
+        row = self[name][target][: self.targets[target].position + 1]
+        order = torch.argsort(row.abs(), descending=True, stable=True)[:k]
         return [(int(j), self.tokens[int(j)], float(row[j])) for j in order]
 
     def describe_target(self, k: int) -> str:
@@ -195,7 +198,9 @@ class Attribution:
         )
 
     def save(self, folder: str | Path) -> list[Path]:
-        """Write ``attribution.json`` (and ``routes.json``, node-link graphs) to ``folder``."""
+        """Write ``attribution.json`` (and ``routes.json``, node-link graphs) to ``folder``;
+        a ``routes.json`` left there by an earlier attribution with routes is removed when
+        this one has none, so that :meth:`load` never pairs it with these scores."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         paths = [folder / FILE]
@@ -204,6 +209,8 @@ class Attribution:
             graphs = [r.graph_data(self.tokens) for r in self.routes]
             (folder / ROUTES_FILE).write_text(json.dumps(graphs, indent=1))
             paths.append(folder / ROUTES_FILE)
+        else:
+            (folder / ROUTES_FILE).unlink(missing_ok=True)
         return paths
 
     @classmethod

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -149,11 +150,26 @@ def token_id(tokenizer: Any, token: int | str, what: str = "token") -> int:
     return int(ids[0])
 
 
+def prompt_ids(ids: Tensor, options: AttributeOptions) -> Tensor:
+    """The prompt's ids as attributed: its first ``max_tokens`` with ``truncate``, unless a
+    continuation follows (cutting the prompt's end would change what the continuation is
+    explained from: :func:`targets_of` refuses a too long input instead)."""
+    if options.max_tokens is not None and options.truncate and options.continuation is None:
+        return ids[: options.max_tokens]
+    return ids
+
+
 def targets_of(
-    tokenizer: Any, ids: Tensor, options: AttributeOptions, vocab_size: int | None
+    tokenizer: Any,
+    ids: Tensor,
+    options: AttributeOptions,
+    vocab_size: int | None,
+    max_positions: int | None = None,
 ) -> tuple[Tensor, list[Target]]:
     """The ids with the continuation appended, and the checked, unresolved targets: needs
-    only the tokenizer (the command line checks a target before the model loads)."""
+    only the tokenizer (the command line checks a target before the model loads). ``ids``
+    is the prompt (:func:`prompt_ids`); prompt and continuation together must fit
+    ``options.max_tokens`` (else ``max_positions``, the model's context length)."""
     continuation = None
     if options.continuation is not None:
         cont = (
@@ -164,6 +180,16 @@ def targets_of(
         if not cont:
             raise TargetError("the continuation has no tokens: pass some text")
         continuation = [int(i) for i in cont]
+        limit = options.max_tokens or max_positions
+        total = ids.numel() + len(continuation)
+        if limit is not None and total > limit:
+            what = "--max-tokens" if options.max_tokens else "the model's context length"
+            raise TargetError(
+                f"the prompt ({ids.numel()} tokens) and the continuation ({len(continuation)}) "
+                f"make {total} tokens, more than {limit} ({what}); a continuation is explained "
+                "from the whole prompt before it, so the prompt is never truncated: shorten it"
+                + (" or raise --max-tokens" if options.max_tokens else "")
+            )
         ids = torch.cat([ids, torch.tensor(continuation, dtype=ids.dtype)])
     token = None if options.token is None else token_id(tokenizer, options.token)
     foil = None if options.foil is None else token_id(tokenizer, options.foil, "foil")
@@ -183,9 +209,12 @@ def prepare(
     model: LoadedModel, text: str | Sequence[int] | Tensor, options: AttributeOptions
 ) -> tuple[Tensor, list[Target]]:
     """The input ids (continuation appended) and the checked, unresolved targets."""
-    ids = encode(model, text, options.max_tokens, options.truncate)
+    if options.continuation is None:
+        ids = encode(model, text, options.max_tokens, options.truncate)
+    else:  # never truncated: targets_of checks prompt and continuation together
+        ids = encode(model, text, sys.maxsize, truncate=False)
     vocab = getattr(model.text_config, "vocab_size", None)
-    return targets_of(model.tokenizer, ids, options, vocab)
+    return targets_of(model.tokenizer, ids, options, vocab, model.max_positions)
 
 
 def target_logits(model: LoadedModel, ids: Tensor, targets: list[Target]) -> Tensor:

@@ -48,12 +48,10 @@ def run(args: argparse.Namespace) -> int:
     if tokenizer is not None:  # a bad target fails before the model loads
         import torch
 
-        from ..attribution.run import targets_of
+        from ..attribution.run import prompt_ids, targets_of
 
         ids = torch.tensor(tokenizer(text, add_special_tokens=True)["input_ids"])
-        if options.max_tokens is not None and options.truncate:
-            ids = ids[: options.max_tokens]
-        targets_of(tokenizer, ids, options, vocab_size=len(tokenizer))
+        targets_of(tokenizer, prompt_ids(ids, options), options, vocab_size=len(tokenizer))
     model = load_model(args.model, dtype=args.dtype, device=args.device)
     from ..attribution.run import attribute
 
@@ -66,10 +64,12 @@ def run(args: argparse.Namespace) -> int:
         from .common import print_written
 
         out = Path(args.out)
-        result.save(out)
-        save(attribution_figure(result), out / "attribution.png")
+        written = result.save(out)
+        written.append(save(attribution_figure(result), out / "attribution.png"))
         if result.routes is not None:
-            save(routes_figure(result), out / "routes.png")
-        write_attribution_html(result, out / "attribution.html")
-        print_written(out)
+            written.append(save(routes_figure(result), out / "routes.png"))
+        else:  # an earlier attribution's routes figure would describe another text
+            (out / "routes.png").unlink(missing_ok=True)
+        written.append(write_attribution_html(result, out / "attribution.html"))
+        print_written(out, written)
     return 0

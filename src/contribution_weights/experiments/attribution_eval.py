@@ -312,7 +312,7 @@ class AttributionEvalResult(RowsResult):
         if not hits.empty:
             agg = hits.groupby("measure", sort=False).agg(
                 n=("item", "count"), top1=("hit1", "mean"), top5=("hit5", "mean"),
-                rank=("rank", "mean"), top1_all=("rank_all", lambda r: float((r == 1).mean())),
+                rank=("rank", "mean"), top1_all=("rank_all", _share_first),
                 seconds=("seconds", "mean"),
             )  # fmt: skip
             for measure, r in agg.iterrows():
@@ -366,7 +366,9 @@ class AttributionEvalResult(RowsResult):
         super().write_summary(folder)
         write_csv(Path(folder) / "curves.csv", self.curve_table())
         write_csv(Path(folder) / "paired.csv", self.paired())
-        write_csv(Path(folder) / "hits_paired.csv", self.hits_paired())
+        hits = self.hits_paired()
+        if not hits.empty:  # known-answer tasks only (the deletion task has no hits)
+            write_csv(Path(folder) / "hits_paired.csv", hits)
 
 
 def attribution_eval(
@@ -382,3 +384,10 @@ def attribution_eval(
     """Evaluate end-to-end attributions (module docstring); resumable with ``out``."""
     experiment = AttributionEval(model, texts, options or AttributionEvalOptions(), batch_size)
     return run_experiment(experiment, out, resume=resume)
+
+
+def _share_first(ranks: pd.Series) -> float:
+    """The share of items whose known answer ranks first; NaN where no item has a known
+    answer (the deletion task), as ``hit1``'s mean is."""
+    known = ranks.dropna()
+    return float((known == 1).mean()) if len(known) else math.nan
