@@ -279,6 +279,38 @@ def test_empty_text_exits_2_before_loading(tmp_path, capsys, no_loading):
     assert "the text is empty" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["trace", "notes.txt"], "pass a text file as --file notes.txt"),
+        (["attribute", "notes.txt"], "pass a text file as --file notes.txt"),
+        (["trace", "--file", "{folder}"], "is a folder, not a text file"),
+    ],
+)
+def test_a_stray_word_or_a_folder_names_the_fix(tmp_path, capsys, no_loading, argv, message):
+    argv = [a.format(folder=tmp_path) for a in argv]
+    assert main([*argv, "--out", str(tmp_path / "o")]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_sizes_may_be_given_as_text_in_the_api():
+    """As on the command line: "8G", "32M" (or bytes); a bad size names the option."""
+    opts = cw.TraceOptions(memory_limit="1.5G", block_bytes="32M")
+    assert (opts.memory_limit, opts.block_bytes) == (1_500_000_000, 32_000_000)
+    with pytest.raises(ValueError, match="memory_limit: expected a size like 8G"):
+        cw.TraceOptions(memory_limit="lots")
+    with pytest.raises(ValueError, match="block_bytes: the size must be positive"):
+        cw.TraceOptions(block_bytes=0)
+
+
+def test_a_measure_left_out_of_all_says_how_to_trace_it(tiny_folder):
+    trace = cw.trace(cw.load_model(str(tiny_folder)), "abc abc", layers=[0])
+    with pytest.raises(KeyError, match=r"'all' leaves out ihc and distance"):
+        trace["ihc"]
+    with pytest.raises(KeyError, match=r"--measures \.\.\.,ihc"):
+        trace.token_scores("ihc")
+
+
 def test_trace_with_the_tiled_kernels(tiny_folder, tmp_path):
     """`cw trace --no-maps --kernels triton` (here in Triton's interpreter) writes the
     reductions the plain path writes."""

@@ -248,3 +248,20 @@ def test_own_items_missing_a_field_name_it_the_line_and_the_fields_expected(tmp_
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(DataError, match="holds no items"):
         data.read_items(tmp_path / "empty.jsonl", "boolq")
+
+
+def test_fewer_texts_than_asked_for_are_announced(tmp_path, capsys):
+    """`--n 50` on a file of 2 texts runs on those 2 and says so (blank blocks are no texts)."""
+    import argparse
+
+    from contribution_weights.cli.common import load_corpus
+
+    path = tmp_path / "t.txt"
+    path.write_text("one text\n\n\n\nanother text\n")
+    args = argparse.Namespace(n=50, dataset=None, texts=None, file=path, field="text")
+    texts, source = load_corpus(args)
+    assert texts == ["one text", "another text"] and source == str(path)
+    assert "only 2 texts in" in capsys.readouterr().out
+    args.n = 2
+    load_corpus(args)
+    assert capsys.readouterr().out == ""

@@ -135,6 +135,21 @@ def test_generate_on_a_compressed_cache_matches_a_manual_greedy_loop(family: str
     assert torch.equal(gen, greedy_tokens(manual, model.model, ids[:, T:], 5))
 
 
+def test_new_tokens_may_be_one_row_of_ids() -> None:
+    """``(n,)`` ids are one row, as ``encode`` returns them; other shapes are refused."""
+    model = tiny_model("qwen2", dtype=torch.float64)
+    ids = _ids(T + 3, seed=3)
+    pre = kv.prefill(model, ids[:, :T], window=WINDOW)
+    one, two = (kv.compress(pre, "snapkv", 0.5) for _ in range(2))
+    a = one.forward(model.model, ids[0, T:]).logits
+    b = two.forward(model.model, ids[:, T:]).logits
+    assert torch.equal(a, b)
+    with pytest.raises(ValueError, match=r"\(batch, n\) or \(n,\)"):
+        one.forward(model.model, ids[:, T:, None])
+    with pytest.raises(ValueError, match="n >= 1"):
+        one.generate(model.model, ids[0, :0], max_new_tokens=2)
+
+
 def test_reserved_layers_grow_in_place_and_equal_concatenation() -> None:
     """Generation writes new keys and values into reserved room instead of concatenating
     (which copies the whole cache at every token); the contents are the concatenation's,

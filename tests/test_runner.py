@@ -84,6 +84,27 @@ def test_resume_accepts_the_same_file_under_another_path_spelling(lm, tmp_path, 
     assert main([*args, "--file", "t.txt", "--resume"]) == 2  # other content: refused
 
 
+def test_a_run_folder_is_checked_before_the_model_loads_and_a_refusal_shows_values(
+    lm, tmp_path, monkeypatch, capsys
+):
+    (tmp_path / "t.txt").write_text("the cat sat on the mat\n\nwater boils")
+    args = ["faithfulness", "--file", str(tmp_path / "t.txt"), "--measures", "vw",
+            "--out", str(tmp_path / "o")]  # fmt: skip
+    monkeypatch.setattr("contribution_weights.loading.load_model", lambda *a, **k: lm)
+    assert main([*args, "--rates", "0.5", "--resume"]) == 0  # no run yet: one starts, said so
+    assert "--resume starts a new one" in capsys.readouterr().err
+
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded before the run folder was checked")
+
+    monkeypatch.setattr("contribution_weights.loading.load_model", refuse)
+    assert main([*args, "--rates", "0.5"]) == 2
+    assert "already holds a run; pass --resume" in capsys.readouterr().err
+    monkeypatch.setattr("contribution_weights.loading.load_model", lambda *a, **k: lm)
+    assert main([*args, "--rates", "0.3", "--resume"]) == 2
+    assert "rates: [0.5] in the folder, [0.3] now" in capsys.readouterr().err
+
+
 def test_interrupted_run_says_how_to_resume(lm, tmp_path, monkeypatch, capsys):
     def interrupted(*a, **k):
         raise KeyboardInterrupt
@@ -123,8 +144,8 @@ def test_sigterm_ends_a_run_like_ctrl_c_keeping_its_run_info(lm, tmp_path, monke
 
     before = signal.signal(signal.SIGTERM, ignore)
     try:
-        assert main(argv) == 130
-        assert "interrupted" in capsys.readouterr().err
+        assert main(argv) == 143  # 128 + SIGTERM, as a shell reports it
+        assert "terminated" in capsys.readouterr().err
         assert signal.getsignal(signal.SIGTERM) is ignore  # the caller's handler is put back
     finally:
         signal.signal(signal.SIGTERM, before)

@@ -11,6 +11,7 @@ attribution's options are both built on it.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -104,6 +105,24 @@ def as_ints(value: int | str | Sequence[int]) -> list[int]:
         return [int(v) for v in parts if not isinstance(v, str) or v.strip()]
     except (TypeError, ValueError):
         raise ValueError(f"expected whole numbers like 0,5,-1, not {value!r}") from None
+
+
+def as_bytes(value: int | float | str) -> int:
+    """A size in bytes: a number, or text such as ``"8G"``, ``"512M"``, ``"1.5GB"`` (decimal
+    units, as ``cw``'s size options take them)."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a size like 8G, 512M or a number of bytes, not {value!r}")
+    if isinstance(value, int | float):
+        size = int(value)
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", str(value))
+        if match is None:
+            raise ValueError(f"expected a size like 8G, 512M or 1.5GB, not {value!r}")
+        scale = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[match[2].lower()]
+        size = int(float(match[1]) * scale)
+    if size < 1:
+        raise ValueError(f"the size must be positive, not {value!r}")
+    return size
 
 
 # ---- the experiments' options ------------------------------------------------------------

@@ -142,9 +142,14 @@ class RunFolder:
             if k not in INFORMATIONAL and old.get(k) != config.get(k)
         )
         if diff:
+            shown = "; ".join(
+                f"{k}: {_short(old.get(k))} in the folder, {_short(config.get(k))} now"
+                for k in diff[:3]
+            )
+            more = f" (and {len(diff) - 3} more)" if len(diff) > 3 else ""
             raise RunFolderError(
-                f"cannot resume {path}: its config differs in {', '.join(diff)}; "
-                "rerun with the same options or choose another --out folder"
+                f"cannot resume {path}: its config differs in {', '.join(diff)} ({shown}"
+                f"{more}); rerun with the same options or choose another --out folder"
             )
 
     @classmethod
@@ -263,3 +268,9 @@ def _drop_partial_last_line(target: Path) -> None:
     data = target.read_bytes()
     if data and not data.endswith(b"\n"):
         target.write_bytes(data[: data.rfind(b"\n") + 1])
+
+
+def _short(value: Any, width: int = 60) -> str:
+    """A config value as an error message shows it: JSON, cut to ``width`` characters."""
+    text = json.dumps(value)
+    return text if len(text) <= width else text[: width - 1] + "…"

@@ -50,15 +50,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C's KeyboardInterrupt would be (the same clean-up)."""
+
+
 def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
+    raise Terminated
 
 
 @contextlib.contextmanager
 def _terminate_as_interrupt() -> Iterator[None]:
     """SIGTERM (a closing session, ``kill``, a scheduler's time limit) ends a command the
     way Ctrl-C does: run folders record what finished (``run_info.json`` with
-    ``finished: false`` and the seconds spent) and the resume hint is printed."""
+    ``finished: false`` and the seconds spent) and the resume hint is printed; the exit
+    status is 143 (128 + SIGTERM) where Ctrl-C's is 130."""
     if threading.current_thread() is not threading.main_thread():
         yield  # signal handlers can only be set from the main thread
         return
@@ -131,8 +136,9 @@ def _main(argv: Sequence[str] | None) -> int:
             raise
         print(f"cw {args.command}: error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        message = f"cw {args.command}: interrupted"
+    except KeyboardInterrupt as stop:
+        terminated = isinstance(stop, Terminated)
+        message = f"cw {args.command}: {'terminated' if terminated else 'interrupted'}"
         if hasattr(args, "resume"):  # a run folder: say how to continue it
             from ..experiments.runner import resume_hint
 
@@ -140,4 +146,5 @@ def _main(argv: Sequence[str] | None) -> int:
                 sys.argv[1:] if argv is None else argv
             )
         print(message, file=sys.stderr)
-        return 130
+        # the shell's statuses for the two signals: 128 + SIGTERM (15), 128 + SIGINT (2)
+        return 128 + 15 if terminated else 128 + 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..data import TEXT_DATASETS
@@ -39,12 +40,11 @@ def model_device(args: argparse.Namespace) -> str | None:
 
 def add_text_arguments(p: argparse.ArgumentParser, example: bool = True) -> None:
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--text", help="the text to trace")
+    src.add_argument("--text", help="the input text")
     src.add_argument("--file", type=Path, help="read the text from a file ('-' for stdin)")
-    src.add_argument(
+    src.add_argument(  # any word is taken here, so that read_text can say what was meant
         "stdin",
         nargs="?",
-        choices=["-"],
         default=None,
         metavar="-",
         help="read the text from standard input (as --file -)",
@@ -62,9 +62,17 @@ def read_text(args: argparse.Namespace) -> str:
         return files("contribution_weights").joinpath("examples/example.txt").read_text()
     if args.text is not None:
         return str(args.text)
-    if getattr(args, "stdin", None) == "-" or str(args.file) == "-":
+    stdin = getattr(args, "stdin", None)
+    if stdin is not None and stdin != "-":
+        raise _input_error(
+            f"unexpected argument {stdin!r}: pass a text file as --file {stdin}, a text as "
+            "--text '...', or '-' to read standard input"
+        )
+    if stdin == "-" or str(args.file) == "-":
         return sys.stdin.read()
     path = Path(args.file)
+    if path.is_dir():
+        raise _input_error(f"{path} is a folder, not a text file: pass a file to --file")
     if not path.is_file():
         raise FileNotFoundError(f"text file {path} does not exist")
     return path.read_text()
@@ -109,10 +117,14 @@ def load_corpus(args: argparse.Namespace) -> tuple[list[str], str]:
         raise ValueError("--join needs --min-tokens N: the length each joined text must reach")
     n = None if getattr(args, "min_tokens", None) is not None else args.n
     if args.dataset:
-        return data.load_texts(args.dataset, n, args.data_dir), str(args.dataset)
-    path = args.texts or args.file
-    texts = data.read_texts(path, field=args.field)
-    return (texts if n is None else texts[:n]), str(path)
+        texts, source = data.load_texts(args.dataset, n, args.data_dir), str(args.dataset)
+    else:
+        path = args.texts or args.file
+        texts, source = data.read_texts(path, field=args.field), str(path)
+        texts = texts if n is None else texts[:n]
+    if n is not None and len(texts) < n:
+        print(f"only {len(texts)} texts in {source} (asked for --n {n}): running on those")
+    return texts, source
 
 
 def fit_corpus(
@@ -182,14 +194,12 @@ def parse_int_list(value: str) -> list[int]:
 
 def parse_bytes(value: str) -> int:
     """An argparse type: a size such as ``8G``, ``512M``, ``1.5GB`` or bytes."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", value)
-    if match is None:
-        raise argparse.ArgumentTypeError(f"expected a size like 8G, 512M or 1.5GB, not {value!r}")
-    scale = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[match[2].lower()]
-    size = int(float(match[1]) * scale)
-    if size < 1:
-        raise argparse.ArgumentTypeError(f"the size must be positive, not {value!r}")
-    return size
+    from ..fields import as_bytes
+
+    try:
+        return as_bytes(value)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 _RANGE = re.compile(r"(-?\d+)(?:-(-?\d+))?")
@@ -241,6 +251,20 @@ def check_out_dir(path: Path, flag: str = "--out") -> Path:
         what = "cannot be written" if base == path.absolute() else f"cannot be created in {base}"
         raise _input_error(f"{flag} {path} {what} ({why}); give a folder you can write to")
     return path
+
+
+def check_run_folder(path: Path, resume: bool) -> None:
+    """What can be said of an experiment's run folder before the model loads: a folder
+    holding a run needs --resume (whether its options match is checked once the run's
+    config is known), and --resume on a folder without a run starts one, said so."""
+    holds_run = (path / "config.json").is_file()
+    if holds_run and not resume:
+        raise _input_error(
+            f"{path} already holds a run; pass --resume to continue it, or choose another "
+            "--out folder"
+        )
+    if resume and not holds_run:
+        print(f"no run in {path} yet: --resume starts a new one there", file=sys.stderr)
 
 
 def check_out_file(path: Path, flag: str = "--out") -> Path:
@@ -300,7 +324,12 @@ def check_heads(
     return out
 
 
-def print_written(folder: Path) -> None:
-    """The last line of a run: every file the run folder holds, read from the disk."""
-    written = sorted(p.name for p in Path(folder).iterdir() if p.is_file())
-    print(f"wrote {folder}/{', '.join(written)}")
+def print_written(folder: Path, files: Sequence[Path] | None = None) -> None:
+    """The last line of a run: the ``files`` it wrote into ``folder`` (default: every file
+    the run folder holds, read from the disk: a run folder holds its run only)."""
+    names = (
+        [Path(f).name for f in files]
+        if files is not None
+        else [p.name for p in Path(folder).iterdir() if p.is_file()]
+    )
+    print(f"wrote {folder}/{', '.join(sorted(names))}")

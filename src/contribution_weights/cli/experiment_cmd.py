@@ -18,6 +18,7 @@ from .common import (
     add_corpus_arguments,
     add_model_arguments,
     check_out_dir,
+    check_run_folder,
     fit_corpus,
     load_corpus,
     model_device,
@@ -226,6 +227,7 @@ def run(args: argparse.Namespace, spec: ExperimentSpec) -> int:
 
     inputs = INPUTS[spec.inputs]
     check_out_dir(args.out)  # before the data and the model load
+    check_run_folder(args.out, args.resume)
     fixed = inputs.options(args) if hasattr(inputs, "options") else {}
     options = options_from_args(spec.options, args, **fixed)  # bad options fail before loading
     try:

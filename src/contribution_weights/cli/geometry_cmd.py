@@ -10,6 +10,7 @@ from .common import (
     add_corpus_arguments,
     add_model_arguments,
     check_out_dir,
+    check_run_folder,
     fit_corpus,
     load_corpus,
     model_device,
@@ -48,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
     from .experiment_cmd import MORE_TEXTS
 
     check_out_dir(args.out)  # before the data and the model load
+    check_run_folder(args.out, args.resume)
     analyses = resolve_analyses(args.only)
     options = options_from_args(GeometryOptions, args)  # bad options fail before loading
     try:

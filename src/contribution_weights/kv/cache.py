@@ -56,6 +56,17 @@ def n_kept(length: int, ratio: float) -> int:
     return max(1, int(length * (1 - check_ratio(ratio))))
 
 
+def _rows(input_ids: Tensor) -> Tensor:
+    """New tokens as rows ``(B, n)``: a single row ``(n,)`` becomes ``(1, n)``."""
+    rows = input_ids[None] if input_ids.ndim == 1 else input_ids
+    if rows.ndim != 2 or rows.shape[1] == 0:
+        raise ValueError(
+            f"new tokens must be (batch, n) or (n,) ids with n >= 1, not shape "
+            f"{tuple(input_ids.shape)}"
+        )
+    return rows
+
+
 @dataclass
 class CompressedCache:
     """A cache compressed after a prefill of ``length`` tokens.
@@ -82,7 +93,9 @@ class CompressedCache:
         return torch.arange(start, start + n)[None]
 
     def forward(self, model: Any, input_ids: Tensor, **kwargs: Any) -> Any:
-        """Run ``model`` on new tokens ``(B, n)`` after the cache (which then holds them too)."""
+        """Run ``model`` on new tokens ``(B, n)`` (or ``(n,)``, one row) after the cache
+        (which then holds them too)."""
+        input_ids = _rows(input_ids)
         seen = self.cache.get_seq_length(self._first_kept_layer())
         offset = seen - self._cached_after_prefill()
         pos = self.position_ids(input_ids.shape[1], offset).to(input_ids.device)
@@ -90,8 +103,8 @@ class CompressedCache:
             return model(input_ids=input_ids, cache=self.cache, position_ids=pos, **kwargs)
 
     def generate(self, model: Any, input_ids: Tensor, **kwargs: Any) -> Tensor:
-        """``model.generate`` on new tokens ``(B, n)`` after the prefill; returns the new tokens
-        plus the generated ones, ``(B, n + generated)``.
+        """``model.generate`` on new tokens ``(B, n)`` (or ``(n,)``) after the prefill;
+        returns the new tokens plus the generated ones, ``(B, n + generated)``.
 
         transformers infers what is already cached from the cache length, so the call is
         given as many placeholder tokens in front as it reads there (never run: they stand
@@ -101,6 +114,7 @@ class CompressedCache:
         placeholders follow that layer, not the compressed ones, or transformers would feed
         some of them to the model as tokens.
         """
+        input_ids = _rows(input_ids)
         cached = self.cache.get_seq_length()  # what transformers' generate reads (layer 0)
         b, n = input_ids.shape
         reserve(self.cache, n + int(kwargs.get("max_new_tokens") or 0))

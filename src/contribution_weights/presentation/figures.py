@@ -268,7 +268,7 @@ def plot_heatmaps(
             bar = fig.colorbar(im, ax=ax, fraction=0.046, pad=0.02, extend=extend)
             bar.set_label(f"√ contrast, clipped at {CLIP_PERCENTILE:g}th pct of |w|", fontsize=7)
             bar.ax.tick_params(labelsize=7)
-    fig.suptitle(f"{trace.model_name}: attention vs contribution", fontsize=11)
+    fig.suptitle(f"{trace.model_name}: {' vs '.join(measures)}", fontsize=11)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Glyph .* missing from font")
         fig.tight_layout(rect=(0, 0, 1, 0.985))

@@ -9,6 +9,7 @@ from typing import Any
 
 from ..capture import DEFAULT_BLOCK_BYTES
 from ..defaults import DEFAULT_TOP_K, KERNELS
+from ..fields import as_bytes
 
 
 @dataclass
@@ -26,7 +27,8 @@ class TraceOptions:
         storage_dtype: dtype the maps are kept in (default: the compute dtype);
             ``"float16"``/``"bfloat16"`` halve memory and disk.
         top_k: keys kept per query in the reductions.
-        memory_limit: bytes the trace may use (default: the memory available now).
+        memory_limit: bytes the trace may use (default: the memory available now); a
+            number or text such as ``"8G"`` (so is ``block_bytes``).
         exact_inputs: run the layers that are not traced through eager attention too, so
             the traced ones see bit for bit the activations of an all-eager forward
             (default: the model's sdpa kernel, faster; activations then differ from eager's
@@ -72,7 +74,16 @@ class TraceOptions:
                 f"trace() got unknown option {unknown[0]!r}{hint}; its options are "
                 f"{', '.join(names)}, out and progress"
             )
-        opts = replace(options or cls(), **dict(overrides or {}))
-        if opts.kernels not in KERNELS:
-            raise ValueError(f"kernels={opts.kernels!r}: choose one of {', '.join(KERNELS)}")
-        return opts
+        return replace(options or cls(), **dict(overrides or {}))
+
+    def __post_init__(self) -> None:
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels={self.kernels!r}: choose one of {', '.join(KERNELS)}")
+        # sizes as numbers or as text ("8G", "32M"), as the command line takes them
+        for name in ("block_bytes", "memory_limit"):
+            value = getattr(self, name)
+            if value is not None:
+                try:
+                    setattr(self, name, as_bytes(value))
+                except ValueError as err:
+                    raise ValueError(f"{name}: {err}") from None

@@ -92,11 +92,20 @@ class Trace:
         )
 
     # ---- access ----------------------------------------------------------------------
+    def _not_traced(self, name: str) -> str:
+        """Why ``name`` cannot be read, and how to trace it."""
+        hint = (
+            " ('all' leaves out ihc and distance: name them)" if name in ("ihc", "distance") else ""
+        )
+        return (
+            f"measure {name!r} was not traced; this trace has: {', '.join(self.measures)}. "
+            f"Trace again with it named (measures=[..., {name!r}], CLI: --measures "
+            f"...,{name}){hint}"
+        )
+
     def __getitem__(self, name: str) -> MeasureMap:
         if name not in self.measures and (self.maps is None or name not in self.maps.names):
-            raise KeyError(
-                f"measure {name!r} was not traced; this trace has: {', '.join(self.measures)}"
-            )
+            raise KeyError(self._not_traced(name))
         if self.maps is None:
             raise KeyError(
                 f"this trace kept no maps (maps=False / --no-maps), so {name!r} has no "
@@ -195,9 +204,7 @@ class Trace:
     def reduced(self, name: str, top_k: int = DEFAULT_TOP_K) -> MeasureReductions:
         """The reductions of a measure (computed from the maps on first use if need be)."""
         if name not in self.measures:
-            raise KeyError(
-                f"measure {name!r} was not traced; this trace has: {', '.join(self.measures)}"
-            )
+            raise KeyError(self._not_traced(name))
         have = self.reductions.get(name)
         if have is not None:
             kept = None if have.top_keys is None else have.top_keys.shape[-1]
