@@ -138,7 +138,8 @@ class Attribution:
         if t.quantity == "flow":
             return f"flow of position {t.position} (next token {text!r})"
         value = self.values[k]
-        return f"{t.quantity} of {text!r} after position {t.position} = {value:.4g}"
+        shown = text if t.quantity == "contrast" else repr(text)  # a contrast's are quoted
+        return f"{t.quantity} of {shown} after position {t.position} = {value:.4g}"
 
     def summary(self, k: int = 8) -> str:
         """A few lines per target: its value and each method's top tokens."""
@@ -152,8 +153,8 @@ class Attribution:
                 extra = ""
                 if name in self.explained and not math.isnan(self.explained[name][i]):
                     extra = (
-                        f"  [decomposes {self.explained[name][i]:.4g}; "
-                        f"remainder {self.remainder[name][i]:.2g}]"
+                        f"  [scores add up to {self.explained[name][i]:.4g}, the target's "
+                        f"linear part; remainder {self.remainder[name][i]:.2g}]"
                     )
                 lines.append(f"  {name} ({self.seconds.get(name, 0):.2f} s): {tops}{extra}")
         return "\n".join(lines)

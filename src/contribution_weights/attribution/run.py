@@ -328,7 +328,8 @@ def _target_text(model: LoadedModel, target: Target) -> str:
     assert target.token is not None
     text = model.tokenizer.decode([target.token])
     if target.quantity == "contrast" and target.foil is not None:
-        return f"{text} vs {model.tokenizer.decode([target.foil])}"
+        # each side quoted, so that a token's leading space shows: ' Berlin' vs ' Paris'
+        return f"{text!r} vs {model.tokenizer.decode([target.foil])!r}"
     return str(text)
 
 

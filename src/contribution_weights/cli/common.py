@@ -19,7 +19,13 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         help=f"embedded ({', '.join(EMBEDDED_MODELS)}; default smollm2), a model folder, a .gguf "
         "file or a hub id",
     )
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="the model's weights and activations (default: as stored; float32 for the "
+        "embedded GGUF models)",
+    )
     p.add_argument("--device", default=None, help="e.g. cpu, cuda (default: cpu)")
 
 

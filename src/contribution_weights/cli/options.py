@@ -70,7 +70,7 @@ def _default_text(f: dataclasses.Field[Any]) -> str:
         value = f.default_factory()
     else:
         return ""
-    if isinstance(value, bool):
+    if isinstance(value, bool) or value is None:  # None: the help says what happens
         return ""
     if isinstance(value, list | tuple):
         value = ",".join(map(str, value))

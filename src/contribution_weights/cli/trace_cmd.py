@@ -64,7 +64,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="keep the first --max-tokens tokens of a longer text",
     )
-    p.add_argument("--compute-dtype", default="float32", choices=["float32", "float64"])
+    p.add_argument(
+        "--compute-dtype",
+        default="float32",
+        choices=["float32", "float64"],
+        help="dtype the measures are computed in (default float32)",
+    )
     p.add_argument(
         "--storage-dtype",
         default=None,
@@ -191,8 +196,9 @@ def _trace(args: argparse.Namespace, text: str, options: TraceOptions) -> int:
         if any(m in result.measures for m in figures.FIRST_TOKEN_MEASURES):
             figures.save(figures.plot_first_token_weight(result), out / "first_token_weight.png")
     print(
-        f"{model.name}: {result.num_tokens} tokens, {len(result.layers)} layers x "
-        f"{result.num_heads} heads, {len(result.measures)} measures in {elapsed:.1f} s"
+        f"{model.name}: {_count(result.num_tokens, 'token')}, "
+        f"{_count(len(result.layers), 'layer')} x {_count(result.num_heads, 'head')}, "
+        f"{_count(len(result.measures), 'measure')} in {elapsed:.1f} s"
         + ("" if result.has_maps else " (no maps: reductions only)")
     )
     summary = result.summary()
@@ -204,3 +210,7 @@ def _trace(args: argparse.Namespace, text: str, options: TraceOptions) -> int:
     # the list is what this trace wrote
     print(f"wrote {', '.join(trace_files(out))} to {out}")
     return 0
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

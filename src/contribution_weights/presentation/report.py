@@ -336,7 +336,7 @@ def _fit_layers(
         one = len(page_for([]).encode()) + min(enc.layer_bytes(x) for x in wanted[-1:])
         raise ValueError(
             f"even one layer makes the report larger than max_bytes={max_bytes:,} "
-            f"(about {one / 2**20:.1f} MiB); raise max_bytes (CLI: --max-bytes), embed "
+            f"(about {_mib(one)}); raise max_bytes (CLI: --max-bytes), embed "
             "fewer measures, or trace a shorter text"
         )
     return found
@@ -654,3 +654,8 @@ def read_report(source: str | Path) -> EmbeddedReport:
         signed = meta["measures"][measure]["signed"]
         values[(measure, layer)] = decode_chunk(raw, meta["precision"], signed, k, t)
     return EmbeddedReport(meta, values)
+
+
+def _mib(size: int) -> str:
+    """A size in MiB as a message shows it (small ones in KiB, never "0.0 MiB")."""
+    return f"{size / 2**20:.1f} MiB" if size >= 2**19 else f"{max(1, round(size / 2**10))} KiB"
