@@ -32,6 +32,7 @@ def folder(tmp_path_factory):
         (["--token", "abc"], "not one"),
         (["--methods", "nope"], "unknown attribution method"),
         (["--foil", "a"], "only read by --quantity contrast"),
+        (["--routes", "--methods", "rollout"], "routes are read from the contribution flow"),
     ],
 )
 def test_bad_targets_exit_2_before_the_model_loads(folder, monkeypatch, capsys, args, message):

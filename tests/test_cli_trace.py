@@ -293,6 +293,28 @@ def test_a_stray_word_or_a_folder_names_the_fix(tmp_path, capsys, no_loading, ar
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["report", "--text", "abc", "--window", "5:2"], "is an empty window"),
+        (["report", "--text", "abc", "--view", "full", "--window", "0:2"], "drop --window"),
+        (["report", "--trace", "{folder}", "--model", "smollm2"], "drop --model/--dtype"),
+        (["trace", "--text", "abc", "--no-maps", "--heads", "0:0"], "drop --heads"),
+        (["trace", "--text", "abc", "--no-figures", "--heads", "0:0"], "drop --heads"),
+        (["trace", "--text", "abc", "--max-tokens", "0"], "max_tokens must be at least 1"),
+    ],
+)
+def test_options_that_would_be_ignored_are_refused(tmp_path, capsys, no_loading, argv, message):
+    argv = [a.format(folder=tmp_path) for a in argv]
+    out = tmp_path / ("r.html" if argv[0] == "report" else "o")
+    try:
+        code = main([*argv, "--out", str(out)])
+    except SystemExit as stop:  # a value argparse's type refuses
+        code = stop.code
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_sizes_may_be_given_as_text_in_the_api():
     """As on the command line: "8G", "32M" (or bytes); a bad size names the option."""
     opts = cw.TraceOptions(memory_limit="1.5G", block_bytes="32M")

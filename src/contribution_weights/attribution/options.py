@@ -101,6 +101,10 @@ class AttributeOptions(Options):
                     "--continuation sets the positions and tokens itself; drop --position/--token"
                 )
         self.methods = METHODS.resolve(split_names(self.methods) or ["flow"])
+        if self.routes and "flow" not in self.methods:
+            raise TargetError(
+                "routes are read from the contribution flow: add 'flow' to the methods"
+            )
         if self.steps < 1:
             raise TargetError(f"--steps must be at least 1, not {self.steps}")
         if not 0 < self.threshold < 1:

@@ -276,8 +276,6 @@ def attribute(
     elif overrides:
         options = options.replace(**overrides)
     ids, targets = prepare(model, text, options)
-    if options.routes and "flow" not in options.methods:
-        raise TargetError("routes are read from the contribution flow: add 'flow' to the methods")
     scores: dict[str, Tensor] = {}
     explained: dict[str, list[float]] = {}
     remainder: dict[str, list[float]] = {}

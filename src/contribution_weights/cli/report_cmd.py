@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..presentation.report_data import DEFAULT_MAX_BYTES, DEFAULT_MEASURES, PRECISIONS
 from ..progress import status
-from .common import add_model_arguments, check_out_file, parse_int_list, read_text
+from .common import _input_error, add_model_arguments, check_out_file, parse_int_list, read_text
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "m": 2**20, "mb": 2**20, "g": 2**30, "gb": 2**30}
 
@@ -96,11 +96,16 @@ def _window(value: str) -> tuple[int, int]:
     try:
         if not sep:
             raise ValueError
-        return int(start), int(stop)
+        lo, hi = int(start), int(stop)
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"{value!r} is not START:STOP (query positions, e.g. 3968:4096)"
         ) from None
+    if hi <= lo:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is an empty window: STOP must be above START (e.g. 3968:4096)"
+        )
+    return lo, hi
 
 
 def run(args: argparse.Namespace) -> int:
@@ -108,6 +113,16 @@ def run(args: argparse.Namespace) -> int:
     from ..tracing.result import Trace
 
     check_out_file(args.out)  # before any tracing or loading
+    if args.window is not None and args.view == "full":
+        raise _input_error(
+            "--window chooses the queries of the long view; the full view shows every "
+            "query: drop --window or use --view long"
+        )
+    if args.trace is not None and (args.model is not None or args.dtype is not None):
+        raise _input_error(
+            "a --trace folder is reported as it was traced (its model and dtype are in its "
+            "meta.json): drop --model/--dtype"
+        )
     if args.trace is not None:
         result = Trace.load(args.trace)
         if not result.has_maps and args.view == "full":

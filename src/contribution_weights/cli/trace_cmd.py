@@ -153,6 +153,9 @@ def run(args: argparse.Namespace) -> int:
         )
         if problem is not None:
             raise InputError(problem)
+    if args.heads is not None and (args.no_maps or args.no_figures):
+        why = "--no-maps keeps no maps" if args.no_maps else "--no-figures draws none"
+        raise InputError(f"--heads chooses the heatmap figure's heads, and {why}: drop --heads")
     dims = peek_dims(args.model)  # the config alone; None: checked right after loading
     if dims is not None:
         resolve_layers(args.layers, dims.num_layers)  # a bad --layers fails here too

@@ -77,6 +77,8 @@ class TraceOptions:
         return replace(options or cls(), **dict(overrides or {}))
 
     def __post_init__(self) -> None:
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, not {self.max_tokens}")
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels={self.kernels!r}: choose one of {', '.join(KERNELS)}")
         # sizes as numbers or as text ("8G", "32M"), as the command line takes them
