@@ -119,16 +119,25 @@ def test_a_continuation_is_never_truncated(folder, monkeypatch, capsys):
 
     monkeypatch.setattr(loading, "load_model", refuse)
     base = ["attribute", "--text", "abcdef", "--model", str(folder), "--continuation", "gh"]
-    for extra in (["--max-tokens", "4", "--truncate"], ["--max-tokens", "7"]):
-        assert main([*base, *extra]) == 2
-        err = capsys.readouterr().err
-        assert "never truncated" in err and "more than" in err
+    assert main([*base, "--max-tokens", "40", "--truncate"]) == 2  # refused, even if it fits
+    assert "never truncated" in capsys.readouterr().err
+    assert main([*base, "--max-tokens", "7"]) == 2
+    err = capsys.readouterr().err
+    assert "never truncated" in err and "more than 7" in err
+    assert (
+        main([*base[:-2], "--methods", "flow", "--method", "flow,rollout", "--max-tokens", "0"])
+        == 2
+    )
+    err = capsys.readouterr().err  # --method, the older spelling, is still read (with a warning)
+    assert "--method is deprecated; use --methods" in err and "at least 2" in err
 
 
 def test_api_continuation_length_and_top_tokens():
     model = tiny_model("qwen3", dtype=torch.float64)
     ids = torch.randint(3, 90, (8,))
     with pytest.raises(TargetError, match="make 11 tokens, more than 10"):
+        cw.attribute(model, ids, continuation=[9, 10, 11], max_tokens=10)
+    with pytest.raises(TargetError, match="never truncated"):
         cw.attribute(model, ids, continuation=[9, 10, 11], max_tokens=10, truncate=True)
     a = cw.attribute(model, ids, target=4, quantity="logit")
     top = a.top(10)

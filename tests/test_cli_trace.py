@@ -298,7 +298,9 @@ def test_a_stray_word_or_a_folder_names_the_fix(tmp_path, capsys, no_loading, ar
     [
         (["report", "--text", "abc", "--window", "5:2"], "is an empty window"),
         (["report", "--text", "abc", "--view", "full", "--window", "0:2"], "drop --window"),
-        (["report", "--trace", "{folder}", "--model", "smollm2"], "drop --model/--dtype"),
+        (["report", "--trace", "{folder}", "--model", "smollm2"], "drop --model"),
+        (["report", "--trace", "{folder}", "--truncate", "--device", "cpu"], "drop --device, --tr"),
+        (["report", "--text", "abc", "--max-tokens", "0"], "--max-tokens must be at least 1"),
         (["trace", "--text", "abc", "--no-maps", "--heads", "0:0"], "drop --heads"),
         (["trace", "--text", "abc", "--no-figures", "--heads", "0:0"], "drop --heads"),
         (["trace", "--text", "abc", "--max-tokens", "0"], "max_tokens must be at least 1"),
@@ -321,8 +323,15 @@ def test_sizes_may_be_given_as_text_in_the_api():
     assert (opts.memory_limit, opts.block_bytes) == (1_500_000_000, 32_000_000)
     with pytest.raises(ValueError, match="memory_limit: expected a size like 8G"):
         cw.TraceOptions(memory_limit="lots")
-    with pytest.raises(ValueError, match="block_bytes: the size must be positive"):
+    with pytest.raises(ValueError, match="block_bytes: the size must be a positive"):
         cw.TraceOptions(block_bytes=0)
+    with pytest.raises(ValueError, match="memory_limit: the size must be a positive, finite"):
+        cw.TraceOptions(memory_limit=float("inf"))
+    assert cw.TraceOptions(memory_limit="8GiB").memory_limit == 8 * 2**30
+    from contribution_weights.fields import as_bytes
+
+    sizes = {"100": 100, "100B": 100, "2k": 2000, "2KiB": 2048, "512M": 512 * 10**6, 7.9: 7}
+    assert {v: as_bytes(v) for v in sizes} == sizes
 
 
 def test_a_measure_left_out_of_all_says_how_to_trace_it(tiny_folder):
@@ -331,6 +340,8 @@ def test_a_measure_left_out_of_all_says_how_to_trace_it(tiny_folder):
         trace["ihc"]
     with pytest.raises(KeyError, match=r"--measures \.\.\.,ihc"):
         trace.token_scores("ihc")
+    with pytest.raises(KeyError, match=r"no measure is called 'atention'.*'attention'\?"):
+        trace["atention"]
 
 
 def test_trace_with_the_tiled_kernels(tiny_folder, tmp_path):

@@ -261,7 +261,7 @@ def test_fewer_texts_than_asked_for_are_announced(tmp_path, capsys):
     args = argparse.Namespace(n=50, dataset=None, texts=None, file=path, field="text")
     texts, source = load_corpus(args)
     assert texts == ["one text", "another text"] and source == str(path)
-    assert "only 2 texts in" in capsys.readouterr().out
+    assert "only 2 texts in" in capsys.readouterr().err
     args.n = 2
     load_corpus(args)
-    assert capsys.readouterr().out == ""
+    assert capsys.readouterr().err == ""

@@ -11,6 +11,7 @@ attribution's options are both built on it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -109,20 +110,21 @@ def as_ints(value: int | str | Sequence[int]) -> list[int]:
 
 def as_bytes(value: int | float | str) -> int:
     """A size in bytes: a number, or text such as ``"8G"``, ``"512M"``, ``"1.5GB"`` (decimal
-    units, as ``cw``'s size options take them)."""
+    units) or ``"8GiB"`` (binary: 2³⁰)."""
     if isinstance(value, bool):
         raise ValueError(f"expected a size like 8G, 512M or a number of bytes, not {value!r}")
     if isinstance(value, int | float):
-        size = int(value)
+        number, scale = float(value), 1.0
     else:
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", str(value))
-        if match is None:
-            raise ValueError(f"expected a size like 8G, 512M or 1.5GB, not {value!r}")
-        scale = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[match[2].lower()]
-        size = int(float(match[1]) * scale)
-    if size < 1:
-        raise ValueError(f"the size must be positive, not {value!r}")
-    return size
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)(i?)[bB]?\s*", str(value))
+        if match is None or (match[3] and not match[2]):
+            raise ValueError(f"expected a size like 8G, 512M, 1.5GB or 8GiB, not {value!r}")
+        unit = match[2].lower()
+        power = "kmgt".index(unit) + 1 if unit else 0  # 0: bytes
+        number, scale = float(match[1]), float((1024 if match[3] else 1000) ** power)
+    if not math.isfinite(number * scale) or number * scale < 1:
+        raise ValueError(f"the size must be a positive, finite number of bytes, not {value!r}")
+    return int(number * scale)
 
 
 # ---- the experiments' options ------------------------------------------------------------

@@ -100,6 +100,12 @@ class AttributeOptions(Options):
                 raise TargetError(
                     "--continuation sets the positions and tokens itself; drop --position/--token"
                 )
+            if self.truncate:
+                raise TargetError(
+                    "a continuation's prompt is never truncated (cutting its end would change "
+                    "what the continuation follows): drop --truncate, and shorten the text or "
+                    "raise --max-tokens if it is too long"
+                )
         self.methods = METHODS.resolve(split_names(self.methods) or ["flow"])
         if self.routes and "flow" not in self.methods:
             raise TargetError(

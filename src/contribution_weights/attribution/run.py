@@ -151,10 +151,9 @@ def token_id(tokenizer: Any, token: int | str, what: str = "token") -> int:
 
 
 def prompt_ids(ids: Tensor, options: AttributeOptions) -> Tensor:
-    """The prompt's ids as attributed: its first ``max_tokens`` with ``truncate``, unless a
-    continuation follows (cutting the prompt's end would change what the continuation is
-    explained from: :func:`targets_of` refuses a too long input instead)."""
-    if options.max_tokens is not None and options.truncate and options.continuation is None:
+    """The prompt's ids as attributed: its first ``max_tokens`` with ``truncate`` (which the
+    options refuse beside a continuation: :func:`targets_of` refuses a too long input)."""
+    if options.max_tokens is not None and options.truncate:
         return ids[: options.max_tokens]
     return ids
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -33,8 +34,6 @@ def model_device(args: argparse.Namespace) -> str | None:
     """``--device``, or under a data-parallel launch on GPUs this process's own GPU."""
     if args.device is not None:
         return str(args.device)
-    import os
-
     local = os.environ.get("LOCAL_RANK")
     if local is not None and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
         import torch
@@ -129,7 +128,7 @@ def load_corpus(args: argparse.Namespace) -> tuple[list[str], str]:
         texts, source = data.read_texts(path, field=args.field), str(path)
         texts = texts if n is None else texts[:n]
     if n is not None and len(texts) < n:
-        print(f"only {len(texts)} texts in {source} (asked for --n {n}): running on those")
+        notice(f"only {_texts(len(texts))} in {source} (asked for --n {n}): running on those")
     return texts, source
 
 
@@ -221,7 +220,6 @@ def _input_error(message: str) -> Exception:
 
 def _probe_writable(folder: Path) -> str | None:
     """None when a file can be created in ``folder`` (tried, then removed), else why not."""
-    import os
     import tempfile
 
     try:
@@ -270,12 +268,22 @@ def check_run_folder(path: Path, resume: bool) -> None:
             "--out folder"
         )
     if resume and not holds_run:
-        print(f"no run in {path} yet: --resume starts a new one there", file=sys.stderr)
+        notice(f"no run in {path} yet: --resume starts a new one there")
+
+
+def notice(message: str) -> None:
+    """A line for the user on standard error, said once: by the first process only when
+    ``accelerate launch`` runs several (each sets ``RANK``)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(message, file=sys.stderr)
+
+
+def _texts(n: int) -> str:
+    return "1 text" if n == 1 else f"{n} texts"
 
 
 def check_out_file(path: Path, flag: str = "--out") -> Path:
     """An output file name whose folder exists and can be written, or can be created."""
-    import os
 
     if path.is_dir():
         raise _input_error(f"{flag} {path} is a folder; give a file name such as report.html")

@@ -118,11 +118,24 @@ def run(args: argparse.Namespace) -> int:
             "--window chooses the queries of the long view; the full view shows every "
             "query: drop --window or use --view long"
         )
-    if args.trace is not None and (args.model is not None or args.dtype is not None):
-        raise _input_error(
-            "a --trace folder is reported as it was traced (its model and dtype are in its "
-            "meta.json): drop --model/--dtype"
-        )
+    if args.window is not None and args.view == "auto":
+        args.view = "long"  # a window of queries is what the long view shows
+    if args.trace is not None:
+        given = [
+            flag
+            for flag, value in (
+                ("--model", args.model), ("--dtype", args.dtype), ("--device", args.device),
+                ("--max-tokens", args.max_tokens), ("--truncate", args.truncate or None),
+            )
+            if value is not None
+        ]  # fmt: skip
+        if given:
+            raise _input_error(
+                f"a --trace folder is reported as it was traced (its model, dtype and tokens "
+                f"are in the folder): drop {', '.join(given)}"
+            )
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise _input_error(f"--max-tokens must be at least 1, not {args.max_tokens}")
     if args.trace is not None:
         result = Trace.load(args.trace)
         if not result.has_maps and args.view == "full":

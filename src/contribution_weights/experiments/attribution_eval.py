@@ -366,9 +366,11 @@ class AttributionEvalResult(RowsResult):
         super().write_summary(folder)
         write_csv(Path(folder) / "curves.csv", self.curve_table())
         write_csv(Path(folder) / "paired.csv", self.paired())
-        hits = self.hits_paired()
-        if not hits.empty:  # known-answer tasks only (the deletion task has no hits)
-            write_csv(Path(folder) / "hits_paired.csv", hits)
+        hits, path = self.hits_paired(), Path(folder) / "hits_paired.csv"
+        if not hits.empty:  # known-answer tasks with flow (the deletion task has no hits)
+            write_csv(path, hits)
+        else:  # nor an empty or earlier version's table left behind
+            path.unlink(missing_ok=True)
 
 
 def attribution_eval(

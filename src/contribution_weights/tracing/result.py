@@ -21,6 +21,7 @@ trace displays as that report.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +33,7 @@ from torch import Tensor
 
 from ..measures.layer import Factors
 from ..measures.reductions import DEFAULT_TOP_K, MeasureReductions, ReductionAccumulator
-from ..measures.registry import get_measure
+from ..measures.registry import get_measure, measure_names
 from .folder import staged, writer_lock
 from .format import TRACE_ENTRIES, read_folder, write_metadata
 from .maps import MeasureMap
@@ -93,14 +94,18 @@ class Trace:
 
     # ---- access ----------------------------------------------------------------------
     def _not_traced(self, name: str) -> str:
-        """Why ``name`` cannot be read, and how to trace it."""
+        """Why ``name`` cannot be read, and how to trace it (or how it may be spelt)."""
+        have = f"this trace has: {', '.join(self.measures)}"
+        if name not in measure_names():
+            close = difflib.get_close_matches(name, [*self.measures, *measure_names()], n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            return f"no measure is called {name!r}; {have}{hint}"
         hint = (
             " ('all' leaves out ihc and distance: name them)" if name in ("ihc", "distance") else ""
         )
         return (
-            f"measure {name!r} was not traced; this trace has: {', '.join(self.measures)}. "
-            f"Trace again with it named (measures=[..., {name!r}], CLI: --measures "
-            f"...,{name}){hint}"
+            f"measure {name!r} was not traced; {have}. Trace again with it named "
+            f"(measures=[..., {name!r}], CLI: --measures ...,{name}){hint}"
         )
 
     def __getitem__(self, name: str) -> MeasureMap:

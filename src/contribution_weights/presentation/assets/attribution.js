@@ -180,8 +180,9 @@
     const top = $("cw-top");
     top.textContent = "";
     const row = D.scores[state.method][k];
+    // by size: a token that pushes the target down drives it as much as one that pushes it up
     const order = row.map((v, i) => [v, i]).filter((x) => x[0] !== null)
-      .sort((a, b2) => b2[0] - a[0]).slice(0, 10);
+      .sort((a, b2) => Math.abs(b2[0]) - Math.abs(a[0])).slice(0, 10);
     const label = document.createElement("span");
     label.className = "muted";
     label.textContent = "Strongest (" + state.method + "):";
