@@ -1,7 +1,7 @@
 """Benchmark: plain torch against compiled (torch.compile) block reductions in a trace.
 
 ``python benchmarks/bench_kernels.py [--model smollm2] [--lengths 2048,4096] [--layers 0,15,29]
-[--measures all] [--repeats 3] [--out FILE.json]``
+[--measures all] [--repeats 3] [--profile] [--out FILE.json]``
 
 For each length T, in one process and on the same input (FineWeb-Edu documents joined, cut
 to T tokens), it times the median of ``--repeats`` interleaved rounds (one call of each
@@ -48,6 +48,12 @@ def main() -> int:
     p.add_argument("--note", default="", help="what else ran on the machine, for the record")
     p.add_argument("--out", type=Path, default=None, help="write the results (JSON) here")
     p.add_argument("--block", action="store_true", help="time Σ a ln a on one block only")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile one trace of each kernel (cProfile) and record where the "
+        "reduction's time goes (the 'profile' field of each row)",
+    )
     args = p.parse_args()
     if args.block:
         return block()
@@ -115,6 +121,8 @@ def main() -> int:
                 same_top &= bool(torch.equal(r.top_keys, c.top_keys))
         row["token_sums_max_rel_diff"] = max(diffs)
         row["top_keys_equal"] = same_top
+        if args.profile:
+            row["profile"] = {k: profile_parts(lambda k=k: traced(k)) for k in KERNEL_CHOICES}
         rows.append(row)
         print(json.dumps(row), flush=True)
     result = {
@@ -132,6 +140,44 @@ def main() -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
     return 0
+
+
+KERNEL_CHOICES = ("torch", "compiled")
+#: the functions whose cumulative seconds --profile records: (file name, function)
+PROFILED = {
+    "reduce (recorder._reduce, per block)": ("recorder.py", "_reduce"),
+    "plain sums (kernels.block_sums)": ("kernels.py", "block_sums"),
+    "top keys, plain (reductions.top_indices)": ("reductions.py", "top_indices"),
+    "top keys, compiled (recorder._top)": ("recorder.py", "_top"),
+    "compiled pass's blocks (recorder._reduce_fused's list)": ("recorder.py", "<listcomp>"),
+    "contribution block (layer.contribution)": ("layer.py", "contribution"),
+    "projection block (layer.projection)": ("layer.py", "projection"),
+    "intra block (layer.intra)": ("layer.py", "intra"),
+    "cosine block (layer.cosine)": ("layer.py", "cosine"),
+    "vw block (layer.vw)": ("layer.py", "vw"),
+}
+
+
+def profile_parts(fn: Any) -> dict[str, float]:
+    """Seconds of one call of ``fn`` under cProfile: the whole call, the functions of
+    :data:`PROFILED` (cumulative) and the compiled kernels (inductor's generated
+    ``kernel`` functions, their own time)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    start = time.perf_counter()
+    prof.runcall(fn)
+    out = {"whole call": round(time.perf_counter() - start, 3)}
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    for label, (file, func) in PROFILED.items():
+        total = sum(v[3] for (f, _, name), v in stats.items() if f.endswith(file) and name == func)
+        if total:
+            out[label] = round(total, 3)
+    kernel = sum(v[2] for (_, _, name), v in stats.items() if name.endswith("kernel.kernel>"))
+    if kernel:
+        out["compiled kernel (inductor)"] = round(kernel, 3)
+    return out
 
 
 def block() -> int:
