@@ -309,3 +309,21 @@ def test_clicking_an_output_shows_its_target(browser, continued):
     browser.screenshot(ARTIFACTS / "attribution-page.png")
     errors = [e["message"] for e in browser.console() if e.get("level") in ("SEVERE", "ERROR")]
     assert not errors, errors
+
+
+def test_the_attribution_page_lists_the_strongest_tokens_by_size(browser, tmp_path):
+    """The page's "Strongest" list is the summary's top tokens: largest |score| first (a
+    token that pushes the target down counts), and its console stays free of errors."""
+    model = tiny_model("llama", dtype=torch.float64)
+    a = attribute(model, torch.arange(3, 15), target=8, methods="flow,input_x_gradient")
+    page = write_attribution_html(a, tmp_path / "attribution.html")
+    b = browser
+    b.open(page)
+    b.wait("document.getElementById('cw-top').querySelectorAll('code').length > 0")
+    shown = b.js(
+        "return Array.from(document.querySelectorAll('#cw-top code')).map(c => c.textContent);"
+    )
+    top = a.top(10, "flow")  # 9 positions up to the target
+    assert top[0][2] < 0  # the strongest pushes the target down: a signed sort lists it last
+    assert [int(re.search(r"@(\d+)", t)[1]) for t in shown] == [p for p, _, _ in top]
+    assert not [e for e in b.console() if e.get("level") in ("SEVERE", "ERROR")]

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from tiny_models import tiny_model
 from webdriver_client import Browser, find_browser
 
@@ -366,23 +365,3 @@ def test_the_long_view_in_the_browser(tmp_path, browser):
     )
     assert _errors(b) == []
     b.screenshot(ARTIFACTS / "report-long-view.png")
-
-
-def test_the_attribution_page_lists_the_strongest_tokens_by_size(browser, tmp_path):
-    """The page's "Strongest" list is the summary's top tokens: largest |score| first (a
-    token that pushes the target down counts), and its console stays free of errors."""
-    from contribution_weights.presentation.attribution_html import write_attribution_html
-
-    model = tiny_model("llama", dtype=torch.float64)
-    a = cw.attribute(model, torch.arange(3, 15), target=8, methods="flow,input_x_gradient")
-    page = write_attribution_html(a, tmp_path / "attribution.html")
-    b = browser
-    b.open(page)
-    b.wait("document.getElementById('cw-top').querySelectorAll('code').length > 0")
-    shown = b.js(
-        "return Array.from(document.querySelectorAll('#cw-top code')).map(c => c.textContent);"
-    )
-    top = a.top(10, "flow")  # 9 positions up to the target
-    assert top[0][2] < 0  # the strongest pushes the target down: a signed sort lists it last
-    assert [int(re.search(r"@(\d+)", t)[1]) for t in shown] == [p for p, _, _ in top]
-    assert _errors(b) == []
