@@ -211,7 +211,13 @@ INPUTS: dict[str, Any] = {
 
 # ---- the generated command ----------------------------------------------------------------
 def register(sub: argparse._SubParsersAction, spec: ExperimentSpec) -> None:
-    p = sub.add_parser(spec.name, help=spec.help)
+    p = sub.add_parser(
+        spec.name,
+        help=spec.help,
+        description=f"{spec.help[:1].upper()}{spec.help[1:]}. Results go to a run folder "
+        "(--out: config.json, the rows as each unit finishes, the summary, run_info.json and "
+        "a figure); --resume continues an interrupted run.",
+    )
     INPUTS[spec.inputs].add_arguments(p)
     add_options(p, spec.options)
     add_run_arguments(p, batch_size=spec.batch_size)
