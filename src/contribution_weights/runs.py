@@ -86,6 +86,20 @@ class RunFolderError(RuntimeError):
     """A run folder cannot be (re)used as asked."""
 
 
+def holds_run(path: str | Path, resume: bool, flag: str = "resume=True (CLI: --resume)") -> bool:
+    """Whether ``path`` holds a run (its ``config.json``), which only ``resume`` may reuse:
+    without it such a folder is refused (:class:`RunFolderError`), ``flag`` naming the
+    option to pass. Reads nothing else, so the command line asks it before the model
+    loads; whether the run's options match is :meth:`RunFolder.check`'s."""
+    held = (Path(path) / "config.json").exists()
+    if held and not resume:
+        raise RunFolderError(
+            f"{path} already holds a run; pass {flag} to continue it, or choose another "
+            "--out folder"
+        )
+    return held
+
+
 class RunFolder:
     """A folder of one experiment run."""
 
@@ -122,15 +136,9 @@ class RunFolder:
         under the old key)``, so a folder written before the rename still resumes.
         """
         path = Path(path)
-        cfg_file = path / "config.json"
-        if not cfg_file.exists():
+        if not holds_run(path, resume):
             return
-        old = upgraded_config(json.loads(cfg_file.read_text()))
-        if not resume:
-            raise RunFolderError(
-                f"{path} already holds a run; pass resume=True (CLI: --resume) to "
-                "continue it, or choose another --out folder"
-            )
+        old = upgraded_config(json.loads((path / "config.json").read_text()))
         config = dict(config)
         for old_key, (new_key, value) in (older or {}).items():
             if old_key in old and new_key not in old:

@@ -128,7 +128,9 @@ def load_corpus(args: argparse.Namespace) -> tuple[list[str], str]:
         texts, source = data.read_texts(path, field=args.field), str(path)
         texts = texts if n is None else texts[:n]
     if n is not None and len(texts) < n:
-        notice(f"only {_texts(len(texts))} in {source} (asked for --n {n}): running on those")
+        notice(
+            f"only {plural(len(texts), 'text')} in {source} (asked for --n {n}): running on those"
+        )
     return texts, source
 
 
@@ -261,13 +263,9 @@ def check_run_folder(path: Path, resume: bool) -> None:
     """What can be said of an experiment's run folder before the model loads: a folder
     holding a run needs --resume (whether its options match is checked once the run's
     config is known), and --resume on a folder without a run starts one, said so."""
-    holds_run = (path / "config.json").is_file()
-    if holds_run and not resume:
-        raise _input_error(
-            f"{path} already holds a run; pass --resume to continue it, or choose another "
-            "--out folder"
-        )
-    if resume and not holds_run:
+    from ..runs import holds_run
+
+    if not holds_run(path, resume, flag="--resume") and resume:
         notice(f"no run in {path} yet: --resume starts a new one there")
 
 
@@ -278,8 +276,9 @@ def notice(message: str) -> None:
         print(message, file=sys.stderr)
 
 
-def _texts(n: int) -> str:
-    return "1 text" if n == 1 else f"{n} texts"
+def plural(n: int, noun: str) -> str:
+    """``n`` and the noun, plural unless ``n`` is 1: "1 layer", "30 layers"."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def check_out_file(path: Path, flag: str = "--out") -> Path:

@@ -15,6 +15,7 @@ from .common import (
     check_out_dir,
     parse_bytes,
     parse_int_list,
+    plural,
     read_text,
 )
 
@@ -199,9 +200,9 @@ def _trace(args: argparse.Namespace, text: str, options: TraceOptions) -> int:
         if any(m in result.measures for m in figures.FIRST_TOKEN_MEASURES):
             figures.save(figures.plot_first_token_weight(result), out / "first_token_weight.png")
     print(
-        f"{model.name}: {_count(result.num_tokens, 'token')}, "
-        f"{_count(len(result.layers), 'layer')} x {_count(result.num_heads, 'head')}, "
-        f"{_count(len(result.measures), 'measure')} in {elapsed:.1f} s"
+        f"{model.name}: {plural(result.num_tokens, 'token')}, "
+        f"{plural(len(result.layers), 'layer')} x {plural(result.num_heads, 'head')}, "
+        f"{plural(len(result.measures), 'measure')} in {elapsed:.1f} s"
         + ("" if result.has_maps else " (no maps: reductions only)")
     )
     summary = result.summary()
@@ -213,7 +214,3 @@ def _trace(args: argparse.Namespace, text: str, options: TraceOptions) -> int:
     # the list is what this trace wrote
     print(f"wrote {', '.join(trace_files(out))} to {out}")
     return 0
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
