@@ -6,6 +6,7 @@ recomputed here with plain loops in float64, independent of ``report_data.error_
 
 from __future__ import annotations
 
+import argparse
 import re
 import warnings
 from pathlib import Path
@@ -234,6 +235,18 @@ def test_cli_report_from_a_saved_trace(tmp_path, tiny_trace, capsys):
         main(["report", "--trace", str(folder), "--out", str(out), "--max-bytes", "lots"])
     assert main(["report", "--trace", str(tmp_path / "nope"), "--out", str(out)]) == 2
     assert "not a folder" in capsys.readouterr().err
+
+
+def test_report_sizes_read_like_every_other_size():
+    """--max-bytes takes sizes as --memory-limit does: M decimal, MiB binary, 0 for none."""
+    from contribution_weights.cli.report_cmd import parse_size
+
+    assert parse_size("20M") == parse_size("20MB") == 20_000_000
+    assert parse_size("20MiB") == 20 * 2**20
+    assert parse_size("1.5k") == 1500
+    assert parse_size("0") is None and parse_size("none") is None
+    with pytest.raises(argparse.ArgumentTypeError, match="8GiB"):
+        parse_size("20 furlongs")
 
 
 def test_tensors_are_not_modified(tiny_trace):

@@ -3,29 +3,28 @@
 from __future__ import annotations
 
 import argparse
-import re
 import time
 import warnings
 from pathlib import Path
 
 from ..presentation.report_data import DEFAULT_MAX_BYTES, DEFAULT_MEASURES, PRECISIONS
 from ..progress import status
-from .common import _input_error, add_model_arguments, check_out_file, parse_int_list, read_text
-
-_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "m": 2**20, "mb": 2**20, "g": 2**30, "gb": 2**30}
+from .common import (
+    _input_error,
+    add_model_arguments,
+    check_out_file,
+    parse_bytes,
+    parse_int_list,
+    read_text,
+)
 
 
 def parse_size(value: str) -> int | None:
-    """``"64M"``, ``"500k"``, ``"1234567"`` to bytes; ``"0"`` or ``"none"``: no limit."""
-    text = value.strip().lower()
-    if text in ("0", "none", "inf", "unlimited"):
+    """``--max-bytes``: a size as every option takes one (``64M``, ``20MB``, ``32MiB``; see
+    :func:`~..fields.as_bytes`), or ``0``/``none`` for no limit."""
+    if value.strip().lower() in ("0", "none", "inf", "unlimited"):
         return None
-    found = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-z]*)", text)
-    if not found or found.group(2) not in _UNITS:
-        raise argparse.ArgumentTypeError(
-            f"{value!r} is not a size; write e.g. 64M, 500k, 20MB (units of 1024) or 0 for no limit"
-        )
-    return int(float(found.group(1)) * _UNITS[found.group(2)])
+    return parse_bytes(value)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -62,7 +61,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--max-bytes",
         type=parse_size,
         default=DEFAULT_MAX_BYTES,
-        help=f"size limit of the file, e.g. 20M (default {DEFAULT_MAX_BYTES // 2**20}M; 0: none); "
+        help="size limit of the file, e.g. 20MB or 20MiB "
+        f"(default {DEFAULT_MAX_BYTES // 2**20}MiB; 0: none); "
         "over it, evenly spaced layers are kept and a warning says which",
     )
     p.add_argument(
