@@ -336,8 +336,13 @@ def test_sizes_may_be_given_as_text_in_the_api():
 
 def test_a_measure_left_out_of_all_says_how_to_trace_it(tiny_folder):
     trace = cw.trace(cw.load_model(str(tiny_folder)), "abc abc", layers=[0])
-    with pytest.raises(KeyError, match=r"'all' leaves out ihc and distance"):
+    with pytest.raises(KeyError, match=r"'all' leaves out distance, ihc, projection: name"):
         trace["ihc"]
+    only = cw.trace(cw.load_model(str(tiny_folder)), "abc abc", layers=[0], measures="attention")
+    with pytest.raises(KeyError) as err:
+        only["vw"]
+    assert "was not traced" in str(err.value)
+    assert "leaves out" not in str(err.value)  # vw is in 'all': nothing to add
     with pytest.raises(KeyError, match=r"--measures \.\.\.,ihc"):
         trace.token_scores("ihc")
     with pytest.raises(KeyError, match=r"no measure is called 'atention'.*'attention'\?"):

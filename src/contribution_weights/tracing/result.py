@@ -100,9 +100,8 @@ class Trace:
             close = difflib.get_close_matches(name, [*self.measures, *measure_names()], n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             return f"no measure is called {name!r}; {have}{hint}"
-        hint = (
-            " ('all' leaves out ihc and distance: name them)" if name in ("ihc", "distance") else ""
-        )
+        left_out = [m for m in measure_names() if not get_measure(m).in_all]
+        hint = f" ('all' leaves out {', '.join(left_out)}: name them)" if name in left_out else ""
         return (
             f"measure {name!r} was not traced; {have}. Trace again with it named "
             f"(measures=[..., {name!r}], CLI: --measures ...,{name}){hint}"
