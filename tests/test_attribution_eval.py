@@ -111,7 +111,12 @@ def test_a_deletion_run_writes_its_tables_and_resumes(tmp_path):
     assert set(curves["intervention"]) == {"key_mask", "embedding"}
     # 2 methods + 3 seeds + recency, 2 interventions, 3 modes, 2 rates, per item
     assert len(curves) == 2 * 6 * 2 * 3 * 2
-    assert {"measure", "comp_key_mask", "suff_embedding"} <= set(result.summary.columns)
+    assert {
+        "measure",
+        "comprehensiveness_key_mask",
+        "sufficiency_embedding",
+        "insertion_key_mask",
+    } <= set(result.summary.columns)
     for name in ("summary.csv", "curves.csv", "paired.csv", "rows.csv"):
         assert (tmp_path / name).is_file()
     assert not (tmp_path / "hits_paired.csv").exists()  # no known answers, no hit tests

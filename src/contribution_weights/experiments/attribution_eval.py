@@ -295,19 +295,17 @@ class AttributionEvalResult(RowsResult):
         )
 
     def summarise_rows(self) -> pd.DataFrame:
-        """One row per ranking: top-1/top-5 hit rates, mean source rank and seconds
-        (methods on known-answer tasks), and the area over each curve (mean delta over
-        the rates) per intervention and mode."""
+        """One row per ranking: the area over each curve (mean delta over the rates) per
+        mode and intervention, in columns ``{mode}_{intervention}`` (e.g.
+        ``comprehensiveness_key_mask``), then top-1/top-5 hit rates, mean source rank and
+        seconds (methods on known-answer tasks)."""
         if self.rows.empty:
             return pd.DataFrame(columns=["measure"])
         table = self.curve_table()
         out: dict[str, dict[str, float]] = {}
-        for r in table.itertuples():
-            key = f"{r.mode[:4]}_{r.intervention}"
-            out.setdefault(str(r.measure), {}).setdefault(key, 0.0)
         aopc = table.groupby(["measure", "intervention", "mode"], sort=False)["mean"].mean()
         for (measure, how, mode), value in aopc.items():
-            out.setdefault(str(measure), {})[f"{str(mode)[:4]}_{how}"] = float(value)
+            out.setdefault(str(measure), {})[f"{mode}_{how}"] = float(value)
         hits = self.hits
         if not hits.empty:
             agg = hits.groupby("measure", sort=False).agg(
