@@ -82,6 +82,26 @@ def test_key_mask_by_attention_mask_equals_masking_every_softmax(family):
     assert value != pytest.approx(editor.values(ids, 7, [torch.tensor([])], "key_mask")[0])
 
 
+def test_a_set_removed_twice_runs_once(monkeypatch):
+    """Rankings that agree on a rate's set share one forward; every row still gets it."""
+    model = tiny_model("llama", dtype=torch.float64)
+    ids = torch.randint(3, 90, (12,))
+    editor = Editor(model, batch_size=2)
+    sets = [torch.tensor([3, 1]), torch.tensor([4]), torch.tensor([1, 3]), torch.tensor([])]
+    alone = [editor.values(ids, 5, [s], "key_mask")[0] for s in sets]
+    rows = []
+    forward = model.model.forward
+    monkeypatch.setattr(
+        model.model,
+        "forward",
+        lambda *a, **k: rows.append(k["input_ids"].shape[0]) or forward(*a, **k),
+    )
+    together = editor.values(ids, 5, sets, "key_mask")
+    assert sum(rows) == 3  # {1, 3} once, {4}, nothing
+    assert together == pytest.approx(alone, abs=1e-9)
+    assert together[0] == together[2] and together[1] != together[3]
+
+
 def test_embedding_removal_uses_the_mean_embedding():
     model = tiny_model("llama", dtype=torch.float64)
     ids = torch.randint(3, 90, (10,))

@@ -111,6 +111,17 @@ class Editor:
     def values(
         self, ids: Tensor, answer: int, removed: Sequence[Tensor], intervention: str
     ) -> list[float]:
+        """log P(answer) at the last position with each set of positions removed; a set
+        that occurs more than once (two rankings that agree on their top tokens at a rate)
+        runs once."""
+        keys = [tuple(sorted(int(x) for x in positions.tolist())) for positions in removed]
+        distinct = list(dict.fromkeys(keys))
+        got = dict(zip(distinct, self._values(ids, answer, distinct, intervention), strict=True))
+        return [got[k] for k in keys]
+
+    def _values(
+        self, ids: Tensor, answer: int, removed: Sequence[tuple[int, ...]], intervention: str
+    ) -> list[float]:
         out: list[float] = []
         t = ids.numel()
         device = self.model.device
@@ -119,7 +130,7 @@ class Editor:
             chunk = removed[start : start + self.batch_size]
             keep = torch.ones(len(chunk), t, dtype=torch.long, device=device)
             for row, positions in enumerate(chunk):
-                keep[row, positions.to(device, torch.long)] = 0
+                keep[row, torch.tensor(positions, dtype=torch.long, device=device)] = 0
             batch = ids[None].to(device).expand(len(chunk), t)
             kwargs: dict[str, Any] = {"use_cache": False, **self.model.last_logits_only()}
             with torch.no_grad():
