@@ -593,6 +593,10 @@ def test_new_methods_match_a_direct_computation(tiny: Any) -> None:
         cos = (keys * anchor).sum(-1) / norms[..., 0].clamp_min(1e-8)
         want = -cos / anchor.norm(dim=-1).clamp_min(1e-8)
         torch.testing.assert_close(kv.get_method("keydiff").score(stats)[0], want)
+        # with sinks (a field, as VATP's): the same scores after the first 3, which rank first
+        sunk = kv.methods.KeyDiff("keydiff_3", sinks=3).score(stats)[0]
+        torch.testing.assert_close(sunk[:, 3:], want[:, 3:])
+        assert bool((sunk[:, :3].min(-1).values > sunk[:, 3:].max(-1).values).all())
 
         # criticalkv: the best 6 by snapkv, then snapkv × ‖W_O^(h) v_j‖ (group mean)
         snap = kv.get_method("snapkv").score(stats)[0]

@@ -26,7 +26,8 @@ pooling kernel 5, 4 sink tokens), so ``benchmarks/kvpress_crosscheck.py`` can co
 * ``vatp_sinks`` — ``vatp`` with the first 4 tokens always kept, as the paper runs it.
 * ``h2o_recent`` — H2O as its paper runs it: half of the budget the most recent tokens,
   half the heavy hitters by accumulated attention (``recent`` = the recent share).
-* ``keydiff`` — Park et al. 2025: −cos(k_j, mean unit key of the head).
+* ``keydiff`` — Park et al. 2025: −cos(k_j, mean unit key of the head); ``keydiff_sinks``
+  the same with the first 4 tokens always kept.
 * ``criticalkv`` — Feng et al. 2025 (kvpress's CriticalKVPress) on SnapKV: half the
   budget by SnapKV, the rest by SnapKV × ‖W_O^(h) v_j‖.
 * ``expected_attention`` — kvpress's ExpectedAttentionPress: the attention that queries
@@ -522,12 +523,15 @@ class Renormalised(Method):
 @dataclass(frozen=True)
 class KeyDiff(Method):
     """Park et al. 2025: keep the most distinctive keys; score = −cos(k_j, k̄) with k̄ the
-    mean of the head's unit keys (kvpress's anchor)."""
+    mean of the head's unit keys (kvpress's anchor); the first ``sinks`` tokens always kept
+    (the paper keeps none)."""
+
+    sinks: int = 0
 
     def score(self, stats: LayerStats) -> Scores:
         keys = stats.keys.to(torch.promote_types(stats.keys.dtype, torch.float32))
         anchor = F.normalize(keys, dim=-1).mean(dim=2, keepdim=True)
-        return -F.cosine_similarity(keys, anchor, dim=-1)
+        return _protect_first(-F.cosine_similarity(keys, anchor, dim=-1), self.sinks)
 
 
 @dataclass(frozen=True)
@@ -714,6 +718,11 @@ for _m in (
     H2ORecent("h2o_recent", "H2O as published: half heavy hitters, half recent tokens"),
     VATPProjected("vatp_wo", "value-aware, projected: accumulated α × ‖W_O v‖"),
     KeyDiff("keydiff", "KeyDiff (Park et al.): keep keys least like the head's mean key"),
+    KeyDiff(
+        "keydiff_sinks",
+        f"KeyDiff with the first {N_SINK} tokens (sinks) always kept",
+        sinks=N_SINK,
+    ),
     CriticalKV("criticalkv", "CriticalKV: snapkv, then snapkv × ‖W_O v‖ (two stages)"),
     ExpectedAttention(
         "expected_attention",
