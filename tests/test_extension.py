@@ -286,3 +286,40 @@ def test_reductions_share_only_between_weights():
 
 
 MEASURE_PAIR = ("alpha_over_o", "abs_cosine")
+
+
+PLUGIN = """
+import contribution_weights as cw
+
+cw.register_measure(cw.Measure("plugin_double", lambda lt: lt.probs * 2, "twice α (a plugin)"))
+"""
+
+
+def test_a_plugin_module_reaches_the_shell_command(tmp_path, monkeypatch, capsys):
+    """``CW_PLUGINS`` names modules ``cw`` imports before building its parser, so what they
+    register is a choice of every command (the shell's ``cw`` imports no user code else)."""
+    (tmp_path / "cw_test_plugin.py").write_text(PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("CW_PLUGINS", " cw_test_plugin, ")
+    try:
+        assert main(["measures"]) == 0
+        assert "plugin_double" in capsys.readouterr().out
+    finally:
+        MEASURES.unregister("plugin_double")
+        import sys
+
+        sys.modules.pop("cw_test_plugin", None)
+    assert "plugin_double" not in cw.measure_names()
+
+
+def test_a_missing_plugin_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    (tmp_path / "cw_broken_plugin.py").write_text("import no_such_dependency_xyz\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("CW_PLUGINS", "no_such_plugin_xyz")
+    assert main(["measures"]) == 2
+    err = capsys.readouterr().err
+    assert "CW_PLUGINS" in err and "'no_such_plugin_xyz'" in err and "PYTHONPATH" in err
+    # a plugin that is found but fails on its own import shows that error, not ours
+    monkeypatch.setenv("CW_PLUGINS", "cw_broken_plugin")
+    with pytest.raises(ModuleNotFoundError, match="no_such_dependency_xyz"):
+        main(["measures"])

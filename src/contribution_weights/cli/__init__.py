@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
+import os
 import signal
 import sys
 import threading
@@ -125,7 +127,43 @@ def _expected(err: Exception) -> bool:
     return isinstance(err, ModelLoadError | RunFolderError | CaptureError)
 
 
+#: comma-separated modules ``cw`` imports before it builds its parser: where measures, KV
+#: methods and experiments registered outside the package reach the command line
+PLUGINS_ENV = "CW_PLUGINS"
+
+
+def load_plugins(names: str | None = None) -> list[str]:
+    """Import the modules named in ``names`` (default: the ``CW_PLUGINS`` environment
+    variable), comma-separated, so that what they register (``cw.register_measure``,
+    ``cw.kv.register_method``, ``register_experiment``) is known to every command, under
+    ``accelerate launch`` too. Returns the names imported. A module that cannot be found
+    is a :class:`ValueError` naming it and the fix; an error inside a module propagates
+    with its traceback."""
+    value = os.environ.get(PLUGINS_ENV, "") if names is None else names
+    loaded = []
+    for name in (n.strip() for n in value.split(",")):
+        if not name:
+            continue
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as err:
+            if err.name is None or not (name == err.name or name.startswith(err.name + ".")):
+                raise  # the module was found; something it imports is missing
+            raise ValueError(
+                f"{PLUGINS_ENV}: cannot import module {name!r} ({err}); name an importable "
+                f"module: installed, or on PYTHONPATH (for a file ./{name}.py in the "
+                f"current folder: PYTHONPATH=. {PLUGINS_ENV}={name} cw ...)"
+            ) from None
+        loaded.append(name)
+    return loaded
+
+
 def _main(argv: Sequence[str] | None) -> int:
+    try:
+        load_plugins()
+    except ValueError as err:
+        print(f"cw: error: {err}", file=sys.stderr)
+        return 2
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
