@@ -77,7 +77,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         choices=["auto", "full", "long"],
         help="full: every T x T map (size grows as T^2); long: per-token heat over the whole "
         "text and the maps of a window of queries (linear in T; the only view of a "
-        "--no-maps trace; default size limit 20M); auto (default): full up to 1,024 tokens",
+        "--no-maps trace; default size limit 20 MiB); auto (default): full up to 1,024 tokens",
     )
     p.add_argument(
         "--window",

@@ -53,8 +53,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--measures",
         default="all",
-        help="comma-separated measures or 'all' = every measure but distance and ihc "
-        "(`cw measures` lists them; an unknown name is answered with the list)",
+        help="comma-separated measures or 'all' = every measure but distance, ihc and "
+        "projection (`cw measures` lists them and which are in all; an unknown name is "
+        "answered with the list)",
     )
     p.add_argument(
         "--layers", type=parse_int_list, default=None, help="layers to trace, e.g. 0,5,-1 or 0-3"

@@ -6,7 +6,9 @@ evicted, and generation continues on the compressed cache::
 
     import contribution_weights as cw
     model = cw.load_model()
-    ids = cw.inputs.encode(model, text)
+    ids = cw.inputs.encode(model, text, None, truncate=False)
+    next_ids = model.tokenizer(" The answer is", add_special_tokens=False,
+                               return_tensors="pt").input_ids
     pre = cw.kv.prefill(model, ids)                     # one capture pass, all methods
     small = cw.kv.compress(pre, "contribution_sinks", 0.5)
     out = small.forward(model.model, next_ids)          # positions continue at T

@@ -200,7 +200,7 @@ def resolve_measures(measures: str | Iterable[str] | None) -> list[str]:
     """``"all"``, one name, a comma-separated string or a list (which may hold ``"all"``,
     e.g. ``"all,distance"``), checked and deduplicated.
 
-    ``"all"`` is every measure marked ``in_all`` (not ``distance`` nor ``ihc``).
+    ``"all"`` is every measure marked ``in_all`` (not ``distance``, ``ihc`` nor ``projection``).
     """
     return MEASURES.resolve(measures)
 

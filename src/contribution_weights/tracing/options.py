@@ -17,7 +17,7 @@ class TraceOptions:
     """Options shared by :func:`trace` and ``cw trace``.
 
     Attributes:
-        measures: ``"all"`` (every measure but ``distance`` and ``ihc``) or names.
+        measures: ``"all"`` (every measure but ``distance``, ``ihc`` and ``projection``) or names.
         layers: model layers to trace (negative indices count from the end); None = all.
         max_tokens: longest sequence accepted; default: the model's context length.
         truncate: keep the first ``max_tokens`` tokens of a longer text instead of failing.
