@@ -145,3 +145,69 @@ def test_api_continuation_length_and_top_tokens():
     assert [p for p, _, _ in top] == torch.argsort(row[:5].abs(), descending=True).tolist()
     assert all(p <= 4 for p, _, _ in top)  # no token after the target is listed
     assert [s for _, _, s in top] == pytest.approx(row[[p for p, _, _ in top]].tolist())
+
+
+ATTRIBUTION_PLUGIN = """
+import torch
+from contribution_weights.attribution.run import MethodOutput
+
+
+def first_token(model, ids, targets, options):
+    scores = torch.zeros(len(targets), ids.numel())
+    scores[:, 0] = 1.0
+    return MethodOutput(scores)
+"""
+
+
+def test_a_method_from_a_users_module_runs_in_the_api_and_the_cli(
+    folder, tmp_path, monkeypatch, capsys
+):
+    """An entry ``"mymodule:function"`` names a top-level module of the user's (a module
+    name without a dot used to be looked for inside the package only)."""
+    import sys
+
+    from contribution_weights.attribution.methods import METHODS
+
+    (tmp_path / "cw_attr_plugin.py").write_text(ATTRIBUTION_PLUGIN)
+    (tmp_path / "cw_attr_register.py").write_text(
+        "import contribution_weights as cw\n"
+        "cw.register_attribution_method(cw.AttributionMethod("
+        "'first_token', 'cw_attr_plugin:first_token', 'all on token 0 (a test)', scalar=False))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        cw.register_attribution_method(
+            cw.AttributionMethod("first_token", "cw_attr_plugin:first_token", "a test")
+        )
+        result = cw.attribute(tiny_model("llama"), "one two three four", methods="first_token")
+        assert result["first_token"][0, 0] == 1 and float(result["first_token"][0, 1:].sum()) == 0
+        METHODS.unregister("first_token")
+        # from the shell: CW_PLUGINS imports the module that registers it
+        monkeypatch.setenv("CW_PLUGINS", "cw_attr_register")
+        out = tmp_path / "run"
+        args = ["attribute", "--model", str(folder), "--text", "one two three four",
+                "--methods", "first_token", "--out", str(out)]  # fmt: skip
+        assert main(args) == 0, capsys.readouterr().err
+        saved = json.loads((out / "attribution.json").read_text())
+        assert saved["scores"]["first_token"][0][0] == 1.0
+    finally:
+        if "first_token" in METHODS.names():
+            METHODS.unregister("first_token")
+        for name in ("cw_attr_plugin", "cw_attr_register"):
+            sys.modules.pop(name, None)
+
+
+def test_an_entry_without_a_function_is_a_clear_error():
+    from contribution_weights.attribution.methods import METHODS
+    from contribution_weights.attribution.run import method_function
+
+    cw.register_attribution_method(cw.AttributionMethod("no_function", "json:", "a test"))
+    cw.register_attribution_method(cw.AttributionMethod("missing", "json:nope", "a test"))
+    try:
+        with pytest.raises(ValueError, match="names no function"):
+            method_function("no_function")
+        with pytest.raises(ValueError, match="has no function 'nope'"):
+            method_function("missing")
+    finally:
+        METHODS.unregister("no_function")
+        METHODS.unregister("missing")

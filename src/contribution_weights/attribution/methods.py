@@ -20,7 +20,10 @@ class AttributionMethod:
 
     Attributes:
         name: what users type (``--methods NAME``).
-        entry: ``"module:function"``, relative to this package, or a callable's dotted path.
+        entry: ``"module:function"`` (or ``"module.function"``): a module of this package
+            for the built-in methods, else any importable module (``"mymethods:scores"``
+            for a user's ``mymethods.py``). The function takes ``(model, ids, targets,
+            options)`` and returns a :class:`~.run.MethodOutput`.
         description: one line for ``cw attribute --help`` and the docs.
         scalar: whether it explains a scalar target (gradient methods); pure flows
             (rollouts) explain the position's final state and ignore the token.

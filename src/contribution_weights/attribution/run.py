@@ -128,12 +128,37 @@ def feature_ablation_method(
 
 
 def method_function(name: str) -> MethodFunction:
-    """The function of a registered method (imported on first use)."""
+    """The function of a registered method (imported on first use). Its entry is
+    ``"module:function"`` or ``"module.function"``; a module without a dot is first looked
+    for in this package (the built-in methods), then as a top-level module (a user's
+    ``mymethods.py``)."""
     entry = METHODS.get(name).entry
-    module, _, func = entry.partition(":")
-    where = importlib.import_module(f"{__package__}.{module}" if "." not in module else module)
-    fn: MethodFunction = getattr(where, func)
+    module, _, func = entry.partition(":") if ":" in entry else entry.rpartition(".")
+    if not module or not func:
+        raise ValueError(
+            f"attribution method {name!r}: entry {entry!r} names no function; write it as "
+            "'module:function' (e.g. 'mymethods:my_scores')"
+        )
+    where = _import_entry_module(module)
+    fn: MethodFunction | None = getattr(where, func, None)
+    if fn is None:
+        raise ValueError(
+            f"attribution method {name!r}: module {where.__name__!r} has no function "
+            f"{func!r} (entry {entry!r})"
+        )
     return fn
+
+
+def _import_entry_module(module: str) -> Any:
+    if "." in module:
+        return importlib.import_module(module)
+    inside = f"{__package__}.{module}"
+    try:
+        return importlib.import_module(inside)
+    except ModuleNotFoundError as err:
+        if err.name != inside:
+            raise  # the module exists here; something it imports is missing
+    return importlib.import_module(module)
 
 
 def token_id(tokenizer: Any, token: int | str, what: str = "token") -> int:
@@ -249,7 +274,7 @@ def attribute(
             prediction), ``quantity`` (``"logprob"``, ``"logit"``, ``"contrast"`` with
             ``foil=``, ``"flow"``), ``continuation``, ``methods`` (default ``["flow"]``;
             also a comma string or ``"all"``), ``steps``, ``routes``, ``threshold``,
-            ``compute_dtype``.
+            ``compute_dtype``, ``max_tokens`` and ``truncate``.
 
     Returns:
         An :class:`Attribution`: ``result["flow"]`` is ``(n_targets, T)``,
