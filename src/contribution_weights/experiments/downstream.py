@@ -351,8 +351,9 @@ def downstream(
     Items whose prompt plus longest option exceed ``max_tokens`` are skipped (listed with
     the reason in ``result.run_info["skipped"]``). ``options`` (a
     :class:`DownstreamOptions`), when given, replaces ``measures``, ``rates``,
-    ``protect_sinks``, ``max_tokens`` and ``sink_cosine`` (``sink_threshold``: its
-    deprecated older name). Run folder, resume and data parallel as :func:`faithfulness`.
+    ``protect_sinks``, ``max_tokens``, ``sink_cosine`` (``sink_threshold``: its
+    deprecated older name), ``baselines`` and ``intervention``. Run folder, resume and
+    data parallel as :func:`faithfulness`.
     ``source``: where the items came from, recorded in the config for people.
     """
     if options is None:
