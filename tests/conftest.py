@@ -29,6 +29,8 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 FIXTURE_DATA = Path(__file__).parent / "fixtures" / "data"
 os.environ.setdefault("CW_DATA_DIR", str(SHARED_DATA if SHARED_DATA.is_dir() else FIXTURE_DATA))
+# a developer's own plugin modules must not change what the tests' `cw` commands see
+os.environ.pop("CW_PLUGINS", None)
 
 
 @pytest.fixture(params=FAMILIES)

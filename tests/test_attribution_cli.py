@@ -201,13 +201,20 @@ def test_an_entry_without_a_function_is_a_clear_error():
     from contribution_weights.attribution.methods import METHODS
     from contribution_weights.attribution.run import method_function
 
-    cw.register_attribution_method(cw.AttributionMethod("no_function", "json:", "a test"))
-    cw.register_attribution_method(cw.AttributionMethod("missing", "json:nope", "a test"))
+    entries = {
+        "json:": "names no function",
+        "loads": "names no module",
+        "json:nope": "has no function 'nope'",
+        "json:decoder": "has no function 'decoder'",  # a submodule, not a function
+        "no_such_module_xyz:f": "cannot import module 'no_such_module_xyz'",
+        # a user module named like one of the package's: the user's, not the package's
+        "methods:register_attribution_method": "cannot import module 'methods'",
+    }
     try:
-        with pytest.raises(ValueError, match="names no function"):
-            method_function("no_function")
-        with pytest.raises(ValueError, match="has no function 'nope'"):
-            method_function("missing")
+        for k, (entry, message) in enumerate(entries.items()):
+            cw.register_attribution_method(cw.AttributionMethod(f"bad{k}", entry, "a test"))
+            with pytest.raises(ValueError, match=message):
+                method_function(f"bad{k}")
     finally:
-        METHODS.unregister("no_function")
-        METHODS.unregister("missing")
+        for k in range(len(entries)):
+            METHODS.unregister(f"bad{k}")

@@ -323,3 +323,33 @@ def test_a_missing_plugin_is_a_clear_error(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("CW_PLUGINS", "cw_broken_plugin")
     with pytest.raises(ModuleNotFoundError, match="no_such_dependency_xyz"):
         main(["measures"])
+
+
+def test_a_plugin_given_as_a_file_and_errors_inside_a_plugin(tmp_path, monkeypatch, capsys):
+    """A path or ``.py`` name is answered with the fix; a ValueError raised by the plugin's
+    own code keeps its traceback (it is not taken for a missing module)."""
+    monkeypatch.setenv("CW_PLUGINS", "./mymethods.py")
+    assert main(["measures"]) == 2
+    err = capsys.readouterr().err
+    assert "not a module name" in err and "CW_PLUGINS=mymethods" in err
+    (tmp_path / "cw_raising_plugin.py").write_text("raise ValueError('bad plugin setting')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("CW_PLUGINS", "cw_raising_plugin")
+    try:
+        with pytest.raises(ValueError, match="bad plugin setting"):
+            main(["measures"])
+    finally:
+        import sys
+
+        sys.modules.pop("cw_raising_plugin", None)
+
+
+def test_the_resume_hint_keeps_the_plugins(monkeypatch):
+    from contribution_weights.experiments.runner import resume_hint
+
+    monkeypatch.setenv("CW_PLUGINS", "lengths")
+    assert resume_hint(["lengths", "--out", "runs/l"]) == (
+        "CW_PLUGINS=lengths cw lengths --out runs/l --resume"
+    )
+    monkeypatch.delenv("CW_PLUGINS")
+    assert resume_hint(["lengths", "--out", "runs/l"]) == "cw lengths --out runs/l --resume"

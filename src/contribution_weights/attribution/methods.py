@@ -1,10 +1,10 @@
 """The attribution methods, found by name (light: names and where each lives).
 
 An :class:`AttributionMethod` names the function that computes it as ``"module:function"``
-inside this package (imported on first use), so the command line can list and check
-names without importing torch. Register another with :func:`register_attribution_method`;
-its function takes ``(model, ids, targets, options)`` and returns a
-:class:`~.run.MethodOutput`.
+(imported on first use; ``".run:flow_method"``, with a leading dot, is a module of this
+package), so the command line can list and check names without importing torch.
+Register another with :func:`register_attribution_method`; its function takes
+``(model, ids, targets, options)`` and returns a :class:`~.run.MethodOutput`.
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ class AttributionMethod:
 
     Attributes:
         name: what users type (``--methods NAME``).
-        entry: ``"module:function"`` (or ``"module.function"``): a module of this package
-            for the built-in methods, else any importable module (``"mymethods:scores"``
-            for a user's ``mymethods.py``). The function takes ``(model, ids, targets,
-            options)`` and returns a :class:`~.run.MethodOutput`.
+        entry: ``"module:function"`` (or ``"module.function"``): any importable module
+            (``"mymethods:scores"`` for a user's ``mymethods.py``); a leading dot
+            (``".run:flow_method"``) makes it a module of this package. The function
+            takes ``(model, ids, targets, options)`` and returns a
+            :class:`~.run.MethodOutput`.
         description: one line for ``cw attribute --help`` and the docs.
         scalar: whether it explains a scalar target (gradient methods); pure flows
             (rollouts) explain the position's final state and ignore the token.
@@ -53,7 +54,7 @@ def register_attribution_method(method: AttributionMethod) -> AttributionMethod:
 for _method in (
     AttributionMethod(
         "flow",
-        "run:flow_method",
+        ".run:flow_method",
         "contribution flow: projection shares with the residual stream, composed top down "
         "and projected on the target (method §7)",
         cost="~1.5 forwards",
@@ -62,7 +63,7 @@ for _method in (
     ),
     AttributionMethod(
         "rollout",
-        "run:rollout_method",
+        ".run:rollout_method",
         "attention rollout (Abnar & Zuidema 2020): head-mean attention with ½ identity, "
         "composed; a pure flow",
         scalar=False,
@@ -71,7 +72,7 @@ for _method in (
     ),
     AttributionMethod(
         "alti",
-        "run:alti_method",
+        ".run:alti_method",
         "ALTI-style rollout (Ferrando et al. 2022): L1-distance shares with the residual, "
         "composed; a pure flow",
         scalar=False,
@@ -80,7 +81,7 @@ for _method in (
     ),
     AttributionMethod(
         "value_zeroing",
-        "run:value_zeroing_method",
+        ".run:value_zeroing_method",
         "value zeroing (Mohebbi et al. 2023): cosine distance of each layer's output when a "
         "token's values are zeroed, rows normalised, composed; a pure flow",
         scalar=False,
@@ -88,21 +89,21 @@ for _method in (
     ),
     AttributionMethod(
         "integrated_gradients",
-        "run:integrated_gradients_method",
+        ".run:integrated_gradients_method",
         "integrated gradients on the input embeddings (captum), zero baseline",
         cost="steps forwards + backwards",
         aliases=("ig",),
     ),
     AttributionMethod(
         "input_x_gradient",
-        "run:input_x_gradient_method",
+        ".run:input_x_gradient_method",
         "input × gradient on the input embeddings (captum)",
         cost="1 forward + backward",
         aliases=("ixg",),
     ),
     AttributionMethod(
         "feature_ablation",
-        "run:feature_ablation_method",
+        ".run:feature_ablation_method",
         "each token's embedding set to zero in turn (captum)",
         cost="T forwards",
         aliases=("ablation",),

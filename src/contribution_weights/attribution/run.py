@@ -129,36 +129,33 @@ def feature_ablation_method(
 
 def method_function(name: str) -> MethodFunction:
     """The function of a registered method (imported on first use). Its entry is
-    ``"module:function"`` or ``"module.function"``; a module without a dot is first looked
-    for in this package (the built-in methods), then as a top-level module (a user's
-    ``mymethods.py``)."""
+    ``"module:function"`` or ``"module.function"``, the module any importable one (a
+    user's ``mymethods.py``: ``"mymethods:my_scores"``); a leading dot (``".run:..."``,
+    the built-in methods) is relative to this package."""
     entry = METHODS.get(name).entry
     module, _, func = entry.partition(":") if ":" in entry else entry.rpartition(".")
-    if not module or not func:
+    fix = "write it as 'module:function' (e.g. 'mymethods:my_scores')"
+    if not module:
+        raise ValueError(f"attribution method {name!r}: entry {entry!r} names no module; {fix}")
+    if not func:
+        raise ValueError(f"attribution method {name!r}: entry {entry!r} names no function; {fix}")
+    full = f"{__package__}{module}" if module.startswith(".") else module
+    try:
+        where = importlib.import_module(full)
+    except ModuleNotFoundError as err:
+        if err.name is None or not (full == err.name or full.startswith(err.name + ".")):
+            raise  # the module was found; something it imports is missing
         raise ValueError(
-            f"attribution method {name!r}: entry {entry!r} names no function; write it as "
-            "'module:function' (e.g. 'mymethods:my_scores')"
-        )
-    where = _import_entry_module(module)
+            f"attribution method {name!r}: cannot import module {full!r} of its entry "
+            f"{entry!r}; it must be importable (installed, or on PYTHONPATH)"
+        ) from None
     fn: MethodFunction | None = getattr(where, func, None)
-    if fn is None:
+    if not callable(fn):
         raise ValueError(
-            f"attribution method {name!r}: module {where.__name__!r} has no function "
-            f"{func!r} (entry {entry!r})"
+            f"attribution method {name!r}: module {full!r} has no function {func!r} "
+            f"(entry {entry!r})"
         )
     return fn
-
-
-def _import_entry_module(module: str) -> Any:
-    if "." in module:
-        return importlib.import_module(module)
-    inside = f"{__package__}.{module}"
-    try:
-        return importlib.import_module(inside)
-    except ModuleNotFoundError as err:
-        if err.name != inside:
-            raise  # the module exists here; something it imports is missing
-    return importlib.import_module(module)
 
 
 def token_id(tokenizer: Any, token: int | str, what: str = "token") -> int:

@@ -132,24 +132,35 @@ def _expected(err: Exception) -> bool:
 PLUGINS_ENV = "CW_PLUGINS"
 
 
+class PluginNotFoundError(ValueError):
+    """A module named in ``CW_PLUGINS`` cannot be found (or is not a module name)."""
+
+
 def load_plugins(names: str | None = None) -> list[str]:
     """Import the modules named in ``names`` (default: the ``CW_PLUGINS`` environment
     variable), comma-separated, so that what they register (``cw.register_measure``,
     ``cw.kv.register_method``, ``register_experiment``) is known to every command, under
     ``accelerate launch`` too. Returns the names imported. A module that cannot be found
-    is a :class:`ValueError` naming it and the fix; an error inside a module propagates
-    with its traceback."""
+    is a :class:`PluginNotFoundError` naming it and the fix; an error inside a module
+    propagates with its traceback."""
     value = os.environ.get(PLUGINS_ENV, "") if names is None else names
     loaded = []
     for name in (n.strip() for n in value.split(",")):
         if not name:
             continue
+        if name.endswith(".py") or "/" in name or "\\" in name or name.startswith("."):
+            stem = name.replace("\\", "/").rsplit("/", 1)[-1].removesuffix(".py")
+            raise PluginNotFoundError(
+                f"{PLUGINS_ENV}: {name!r} is a file or path, not a module name; name the "
+                f"module and put its folder on PYTHONPATH (PYTHONPATH=FOLDER "
+                f"{PLUGINS_ENV}={stem or 'module'} cw ...)"
+            )
         try:
             importlib.import_module(name)
         except ModuleNotFoundError as err:
             if err.name is None or not (name == err.name or name.startswith(err.name + ".")):
                 raise  # the module was found; something it imports is missing
-            raise ValueError(
+            raise PluginNotFoundError(
                 f"{PLUGINS_ENV}: cannot import module {name!r} ({err}); name an importable "
                 f"module: installed, or on PYTHONPATH (for a file ./{name}.py in the "
                 f"current folder: PYTHONPATH=. {PLUGINS_ENV}={name} cw ...)"
@@ -161,7 +172,7 @@ def load_plugins(names: str | None = None) -> list[str]:
 def _main(argv: Sequence[str] | None) -> int:
     try:
         load_plugins()
-    except ValueError as err:
+    except PluginNotFoundError as err:
         print(f"cw: error: {err}", file=sys.stderr)
         return 2
     parser = build_parser()

@@ -442,10 +442,14 @@ def _csv_bytes(rows: list[dict[str, Any]]) -> bytes:
 
 
 def resume_hint(argv: Sequence[str]) -> str:
-    """The command that resumes an interrupted ``cw`` run (adds ``--resume``)."""
+    """The command that resumes an interrupted ``cw`` run (adds ``--resume``; with the
+    ``CW_PLUGINS`` it ran with, whose modules may define the command or its choices)."""
+    import os
     import shlex
 
     args = list(argv)
     if "--resume" not in args:
         args.append("--resume")
-    return "cw " + shlex.join(args)
+    plugins = os.environ.get("CW_PLUGINS", "").strip()
+    prefix = f"CW_PLUGINS={shlex.quote(plugins)} " if plugins else ""
+    return prefix + "cw " + shlex.join(args)
