@@ -97,3 +97,30 @@ def test_load_steps_can_be_silenced(capsys):
     with steps.step("b"):
         pass
     assert capsys.readouterr().err == "" and steps.done == 2
+
+
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [("gpu", "is not a device"), ("cuda", "CUDA"), ("cuda:7", "CUDA")],
+)
+def test_a_device_this_machine_lacks_is_refused_before_loading(device, message, monkeypatch):
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has the devices")
+
+    def refuse(*a, **k):
+        raise AssertionError("weights were read before the device was checked")
+
+    monkeypatch.setattr(loading, "_from_gguf", refuse)
+    monkeypatch.setattr(loading, "_from_folder", refuse)
+    with pytest.raises(loading.ModelLoadError, match=message):
+        loading.load_model(device=device)
+
+
+def test_a_bad_device_is_one_line_from_the_cli(tmp_path, capsys):
+    from contribution_weights.cli import main
+
+    out = str(tmp_path / "o")
+    assert main(["trace", "--text", "hi", "--device", "gpu", "--out", out]) == 2
+    assert "'gpu' is not a device" in capsys.readouterr().err

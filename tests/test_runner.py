@@ -105,6 +105,25 @@ def test_a_run_folder_is_checked_before_the_model_loads_and_a_refusal_shows_valu
     assert "rates: [0.5] in the folder, [0.3] now" in capsys.readouterr().err
 
 
+def test_a_folder_with_other_files_but_no_run_is_refused_before_the_model_loads(
+    tmp_path, monkeypatch, capsys
+):
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded before the run folder was checked")
+
+    monkeypatch.setattr("contribution_weights.loading.load_model", refuse)
+    (tmp_path / "t.txt").write_text("the cat sat on the mat")
+    out = tmp_path / "notes"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    for extra in ([], ["--resume"]):
+        args = ["faithfulness", "--file", str(tmp_path / "t.txt"), "--out", str(out), *extra]
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert "holds other files (notes.txt) but no run" in err and "new or empty" in err
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]  # nothing written there
+
+
 def test_interrupted_run_says_how_to_resume(lm, tmp_path, monkeypatch, capsys):
     def interrupted(*a, **k):
         raise KeyboardInterrupt

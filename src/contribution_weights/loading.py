@@ -466,6 +466,35 @@ def peek_tokenizer(name: str | os.PathLike[str] | None = None) -> Any:
         return None
 
 
+def _check_device(device: str | torch.device) -> None:
+    """Refuse, before anything loads, a device that is no device or that this machine or
+    torch build lacks (torch would say so only when the model is moved there)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ModelLoadError(
+            f"device {str(device)!r} is not a device; use cpu, cuda, cuda:1, mps, ..."
+        ) from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            build = (
+                "this torch build has no CUDA"
+                if torch.version.cuda is None
+                else ("no CUDA GPU is visible")
+            )
+            raise ModelLoadError(
+                f"device {str(device)!r}: {build} (torch.cuda.is_available() is False); "
+                "use cpu, or a machine and torch build with CUDA"
+            )
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ModelLoadError(
+                f"device {str(device)!r}: only {torch.cuda.device_count()} CUDA device(s) "
+                f"visible (cuda:0 to cuda:{torch.cuda.device_count() - 1})"
+            )
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ModelLoadError(f"device {str(device)!r}: MPS is not available here; use cpu")
+
+
 def load_model(
     name: str | os.PathLike[str] | None = None,
     *,
@@ -492,6 +521,8 @@ def load_model(
             "give device= or device_map=, not both: device moves the whole model to one "
             "device, device_map lets transformers place its layers"
         )
+    if device is not None:
+        _check_device(device)
     key = DEFAULT_MODEL if name is None else str(name)
     kw: dict[str, Any] = {"device_map": device_map}
     if key == "gemma3-270m":  # assembled from its part packages on the first load only

@@ -262,10 +262,22 @@ def check_out_dir(path: Path, flag: str = "--out") -> Path:
 def check_run_folder(path: Path, resume: bool) -> None:
     """What can be said of an experiment's run folder before the model loads: a folder
     holding a run needs --resume (whether its options match is checked once the run's
-    config is known), and --resume on a folder without a run starts one, said so."""
+    config is known), a folder holding other files but no run is refused (a run would
+    mix its files with them), and --resume on an empty or missing folder starts a run,
+    said so."""
     from ..runs import holds_run
 
-    if not holds_run(path, resume, flag="--resume") and resume:
+    if holds_run(path, resume, flag="--resume"):
+        return
+    # the first process only: under accelerate launch the others may see its new files
+    others = [p.name for p in path.iterdir() if not p.name.startswith(".")] if path.is_dir() else []
+    if others and os.environ.get("RANK", "0") == "0":
+        shown = ", ".join(sorted(others)[:3]) + (", …" if len(others) > 3 else "")
+        raise _input_error(
+            f"--out {path} holds other files ({shown}) but no run (no config.json); "
+            "choose a new or empty folder"
+        )
+    if resume:
         notice(f"no run in {path} yet: --resume starts a new one there")
 
 
