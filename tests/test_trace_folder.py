@@ -92,6 +92,16 @@ def test_a_flipped_byte_in_the_vectors_is_named(lm, tmp_path):
 def test_verify_without_checksums_or_without_a_trace_exits_2(lm, tmp_path, capsys):
     assert main(["verify", str(tmp_path)]) == 2
     assert "holds no trace" in capsys.readouterr().err
+    assert main(["verify", str(tmp_path / "nope")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "a-file").write_text("x")
+    assert main(["verify", str(tmp_path / "a-file")]) == 2
+    assert "it is a file" in capsys.readouterr().err
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "meta.json").write_text('{"x": 1}')
+    assert main(["verify", str(tmp_path / "other")]) == 2
+    assert "is not a trace's meta.json" in capsys.readouterr().err
+    (tmp_path / "a-file").unlink()
     cw.trace(lm, IDS_A, out=tmp_path, maps=False)
     meta = json.loads((tmp_path / "meta.json").read_text())
     del meta["checksums"]  # as a trace of an earlier version

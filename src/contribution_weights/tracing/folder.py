@@ -98,6 +98,10 @@ def verify(folder: str | Path) -> list[Damage]:
     if not (folder / "meta.json").is_file():
         raise TraceFileError(f"{folder} holds no trace (no meta.json); {_no_trace_hint(folder)}")
     sums = recorded_checksums(folder)
+    if sums is None and "format" not in _meta_keys(folder):
+        raise TraceFileError(
+            f"{folder}/meta.json is not a trace's meta.json (no format); is it a trace folder?"
+        )
     if sums is None:
         raise TraceFileError(
             f"the trace in {folder} records no checksums (it was written by an earlier "
@@ -124,7 +128,19 @@ def check_file(path: Path, expected: str | None) -> None:
         )
 
 
+def _meta_keys(folder: Path) -> set[str]:
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+    except (OSError, ValueError):
+        return set()
+    return set(meta) if isinstance(meta, dict) else set()
+
+
 def _no_trace_hint(folder: Path) -> str:
+    if not folder.exists():
+        return "the folder does not exist; give the folder cw trace --out wrote"
+    if not folder.is_dir():
+        return "it is a file; give the trace's folder (what cw trace --out wrote)"
     staged = sorted(p.name for p in folder.glob(f"{STAGING_PREFIX}*")) if folder.is_dir() else []
     if staged:
         return (
