@@ -218,3 +218,9 @@ def test_an_entry_without_a_function_is_a_clear_error():
     finally:
         for k in range(len(entries)):
             METHODS.unregister(f"bad{k}")
+
+
+def test_top_zero_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["attribute", "--text", "abcdef", "--top", "0"])
+    assert stop.value.code == 2 and "--top: must be at least 1" in capsys.readouterr().err

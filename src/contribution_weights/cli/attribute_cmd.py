@@ -7,7 +7,13 @@ from pathlib import Path
 
 from ..attribution.methods import METHODS
 from ..attribution.options import AttributeOptions
-from .common import add_model_arguments, add_text_arguments, check_out_dir, read_text
+from .common import (
+    add_model_arguments,
+    add_text_arguments,
+    check_out_dir,
+    positive_int,
+    read_text,
+)
 from .options import add_options, options_from_args
 
 
@@ -33,7 +39,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="folder for attribution.json, routes.json, figures and an HTML view",
     )
-    p.add_argument("--top", type=int, default=8, help="tokens listed per method (default 8)")
+    p.add_argument(
+        "--top", type=positive_int, default=8, help="tokens listed per method (default 8)"
+    )
     p.set_defaults(func=run)
 
 
