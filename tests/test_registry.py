@@ -40,6 +40,10 @@ def test_unknown_names_list_the_valid_ones_and_the_nearest_spelling():
     with pytest.raises(UnknownNameError, match=r"unknown widget 'betta'; valid widgets: "
                        r"alpha, beta, gamma \(did you mean 'beta'\?\)"):  # fmt: skip
         reg.resolve("alpha,betta")
+    # several unknown names: all of them in one message, each with its nearest spelling
+    with pytest.raises(UnknownNameError, match=r"unknown widgets 'betta' \(did you mean "
+                       r"'beta'\?\), 'zzz'; valid widgets: alpha, beta, gamma$"):  # fmt: skip
+        reg.resolve("betta,alpha,zzz")
     with pytest.raises(ValueError, match="no widget named"):
         reg.resolve(" , ")
     assert issubclass(UnknownNameError, ValueError)  # the CLI reports ValueErrors as usage errors

@@ -98,12 +98,23 @@ class Registry(Generic[T]):
             return self.all_names()
         parts = spec.split(",") if isinstance(spec, str) else list(spec)
         names: list[str] = []
+        unknown: list[str] = []
         for part in (str(p).strip() for p in parts):
             if not part:
+                continue
+            if part != "all" and part not in self:
+                unknown.append(part)
                 continue
             for name in self.all_names() if part == "all" else [self._key(self.get(part))]:
                 if name not in names:
                     names.append(name)
+        if len(unknown) == 1:
+            raise UnknownNameError(self._unknown(unknown[0]))
+        if unknown:  # every unknown name at once, not one per attempt
+            shown = ", ".join(self._guess(u) for u in unknown)
+            raise UnknownNameError(
+                f"unknown {self.plural} {shown}; valid {self.plural}: {self._valid()}"
+            )
         if not names:
             raise UnknownNameError(f"no {self.kind} named; valid {self.plural}: {self._valid()}")
         return names
@@ -126,6 +137,11 @@ class Registry(Generic[T]):
         message = f"unknown {self.kind} {name!r}; valid {self.plural}: {self._valid()}"
         close = difflib.get_close_matches(name, [*self._items, *self._aliases()], n=1)
         return message + (f" (did you mean {close[0]!r}?)" if close else "")
+
+    def _guess(self, name: str) -> str:
+        """``'name'``, with the closest registered name when there is one."""
+        close = difflib.get_close_matches(name, [*self._items, *self._aliases()], n=1)
+        return f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
 
 
 __all__ = ["Registry", "UnknownNameError"]
