@@ -283,3 +283,18 @@ def test_the_package_imports_lazily_and_exports_everything():
     assert cw.tracing.trace is cw.trace and cw.measures.registry.get_measure is cw.get_measure
     with pytest.raises(AttributeError, match="has no attribute 'nope'"):
         _ = cw.nope
+
+
+def test_option_errors_name_the_flag_not_the_field(tmp_path, monkeypatch, capsys):
+    from contribution_weights import loading
+    from contribution_weights.cli import main as cw_main
+
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(loading, "load_model", refuse)
+    out = str(tmp_path / "o")
+    assert cw_main(["trace", "--text", "hi", "--max-tokens", "0", "--out", out]) == 2
+    assert "cw trace: error: --max-tokens must be at least 1" in capsys.readouterr().err
+    assert cw_main(["kv-eval", "--task", "passkey", "--n", "0", "--out", out]) == 2
+    assert "cw kv-eval: error: --n must be at least 1" in capsys.readouterr().err

@@ -303,7 +303,7 @@ def test_a_stray_word_or_a_folder_names_the_fix(tmp_path, capsys, no_loading, ar
         (["report", "--text", "abc", "--max-tokens", "0"], "--max-tokens must be at least 1"),
         (["trace", "--text", "abc", "--no-maps", "--heads", "0:0"], "drop --heads"),
         (["trace", "--text", "abc", "--no-figures", "--heads", "0:0"], "drop --heads"),
-        (["trace", "--text", "abc", "--max-tokens", "0"], "max_tokens must be at least 1"),
+        (["trace", "--text", "abc", "--max-tokens", "0"], "--max-tokens must be at least 1"),
     ],
 )
 def test_options_that_would_be_ignored_are_refused(tmp_path, capsys, no_loading, argv, message):

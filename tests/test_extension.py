@@ -191,7 +191,7 @@ def test_an_experiment_registered_from_outside_gets_its_command(tmp_path, capsys
         out = tmp_path / "run"
         argv = ["lengths", "--file", str(texts), "--model", str(folder), "--out", str(out)]
         assert main([*argv, "--max-tokens", "0"]) == 2  # the options validate themselves
-        assert "max_tokens must be at least 1" in capsys.readouterr().err
+        assert "--max-tokens must be at least 1" in capsys.readouterr().err
         assert main([*argv, "--max-tokens", "4"]) == 0
         printed = capsys.readouterr().out
         assert "lengths.csv" in printed and "lengths.png" in printed

@@ -127,6 +127,22 @@ def _expected(err: Exception) -> bool:
     return isinstance(err, ModelLoadError | RunFolderError | CaptureError)
 
 
+def _as_flags(message: str, parser: argparse.ArgumentParser, command: str) -> str:
+    """An options error as the command line spells it: a message that begins with an
+    option's field name (``max_tokens must be at least 1``, ``kernels='triton' needs``)
+    begins with its flag instead (``--max-tokens must be at least 1``)."""
+    first = message.split(" ", 1)[0].split("=", 1)[0]
+    sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    command_parser = sub.choices.get(command) if sub is not None else None
+    if command_parser is None or not first.isidentifier():
+        return message
+    for action in command_parser._actions:
+        flags = [f for f in action.option_strings if f.startswith("--")]
+        if action.dest == first and flags:
+            return flags[0] + message[len(first) :]
+    return message
+
+
 #: comma-separated modules ``cw`` imports before it builds its parser: where measures, KV
 #: methods and experiments registered outside the package reach the command line
 PLUGINS_ENV = "CW_PLUGINS"
@@ -183,7 +199,8 @@ def _main(argv: Sequence[str] | None) -> int:
     except Exception as err:
         if not _expected(err):
             raise
-        print(f"cw {args.command}: error: {err}", file=sys.stderr)
+        print(f"cw {args.command}: error: {_as_flags(str(err), parser, args.command)}",
+              file=sys.stderr)  # fmt: skip
         return 2
     except KeyboardInterrupt as stop:
         terminated = isinstance(stop, Terminated)
