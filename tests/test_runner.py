@@ -210,3 +210,16 @@ def test_an_error_while_rendering_keeps_the_finished_run_info(lm, tmp_path, monk
         faithfulness(lm, TEXTS, measures=["vw"], rates=[0.5], out=tmp_path / "r", progress=False)
     info = json.loads((tmp_path / "r" / "run_info.json").read_text())
     assert info["finished"] is True and info["units"] == {"faithfulness": len(TEXTS)}
+
+
+def test_a_run_where_every_unit_was_skipped_exits_1_without_a_table(
+    lm, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setattr("contribution_weights.loading.load_model", lambda *a, **k: lm)
+    (tmp_path / "t.txt").write_text("a")  # one token: nothing to remove, skipped
+    args = ["faithfulness", "--file", str(tmp_path / "t.txt"), "--measures", "vw",
+            "--rates", "0.5", "--out", str(tmp_path / "o")]  # fmt: skip
+    assert main(args) == 1
+    captured = capsys.readouterr()
+    assert "Empty DataFrame" not in captured.out and "skipped 1 units" in captured.out
+    assert "no result: no unit could run" in captured.err

@@ -9,6 +9,7 @@ figure, and list the files written.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -254,15 +255,22 @@ def run(args: argparse.Namespace, spec: ExperimentSpec) -> int:
     if not processes().main:
         return 0
     summary = getattr(result, "summary", None)
-    if summary is not None:
+    empty = summary is not None and getattr(summary, "empty", False)
+    if summary is not None and not empty:
         digits = spec.digits
         print(summary.to_string(index=False, float_format=lambda x: f"{x:.{digits}g}"))
     for line in spec.notes_of(result):
         print(line)
     print_skipped(result)
     figure = spec.figure_name(result)
-    empty = summary is not None and getattr(summary, "empty", False)
     if figure and not empty and figure_for(result) is not None:
         plot(result, args.out / figure)
     print_written(args.out)
+    if empty:  # every unit skipped: a run with no result is not a success
+        print(
+            f"cw {spec.name}: error: no result: no unit could run (the reasons are above and "
+            "in run_info.json); give other inputs",
+            file=sys.stderr,
+        )
+        return 1
     return 0
