@@ -444,6 +444,8 @@ def test_ruler_options_are_checked(tmp_path: Any, capsys: Any) -> None:
     assert KVEvalOptions(task="ruler").ruler_tasks == list(RULER_TASKS)
     with pytest.raises(ValueError, match=r"unknown ruler task 'nope'; choose from niah_single"):
         KVEvalOptions(task="ruler", ruler_tasks="niah_single,nope")
+    with pytest.raises(ValueError, match=r"unknown ruler tasks 'niah', 'nope'; choose from"):
+        KVEvalOptions(task="ruler", ruler_tasks="niah,niah_single,nope")
     with pytest.raises(ValueError, match=r"unknown setting 'sideways'; choose from query_agn"):
         KVEvalOptions(task="ruler", settings="sideways")
     with pytest.raises(ValueError, match="applies to --task ruler only"):

@@ -173,11 +173,11 @@ def check_ruler_tasks(tasks: Any) -> list[str]:
     names = split_names(tasks)
     if "all" in names:
         names = [n for n in names if n != "all"] + list(RULER_TASKS)
-    for name in names:
-        if name not in RULER_TASKS:
-            raise ValueError(
-                f"unknown ruler task {name!r}; choose from {', '.join(RULER_TASKS)} (or all)"
-            )
+    unknown = [name for name in names if name not in RULER_TASKS]
+    if unknown:  # all of them at once
+        shown = ", ".join(repr(n) for n in unknown)
+        what = "ruler task" if len(unknown) == 1 else "ruler tasks"
+        raise ValueError(f"unknown {what} {shown}; choose from {', '.join(RULER_TASKS)} (or all)")
     if not names:
         raise ValueError(f"no ruler task given; choose from {', '.join(RULER_TASKS)} (or all)")
     return list(dict.fromkeys(names))
