@@ -462,11 +462,13 @@ def test_options_object_sets_the_sink_cosine(tmp_path, monkeypatch, capsys):
                "--sink-threshold", "-1", "--out", str(tmp_path / "o2")])  # fmt: skip
     assert rc == 0 and "--sink-threshold is deprecated" in capsys.readouterr().err
     assert json.loads((tmp_path / "o2" / "config.json").read_text())["sink_cosine"] == -1.0
-    # the CLI and the API refuse a bad value with the same message
+    # the CLI and the API refuse a bad value with the same message, each naming its spelling
     rc = main(["faithfulness", "--file", str(f), "--sink-cosine", "3", "--out",
                str(tmp_path / "o3")])  # fmt: skip
     err = capsys.readouterr().err
-    assert rc == 2 and "sink_cosine is a cosine, in [-1, 1]; got 3.0" in err
+    assert rc == 2 and "error: --sink-cosine is a cosine, in [-1, 1]; got 3.0" in err
+    with pytest.raises(ValueError, match=r"^sink_cosine is a cosine, in \[-1, 1\]; got 3.0"):
+        FaithfulnessOptions(sink_cosine=3.0)
 
 
 def test_cli_corpus_arguments_take_the_first_n_and_refuse_n_below_one(
