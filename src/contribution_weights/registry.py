@@ -14,7 +14,9 @@ registry before any heavy import.
 from __future__ import annotations
 
 import difflib
+import importlib
 from collections.abc import Callable, Iterable, Iterator
+from types import ModuleType
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -145,3 +147,15 @@ class Registry(Generic[T]):
 
 
 __all__ = ["Registry", "UnknownNameError"]
+
+
+def import_if_present(name: str) -> ModuleType | None:
+    """Import the module ``name`` (where plugins and registered entries live); None when
+    that module itself cannot be found. A module that is found but fails, a missing
+    import inside it included, raises as it would."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as err:
+        if err.name is None or not (name == err.name or name.startswith(err.name + ".")):
+            raise  # the module was found; something it imports is missing
+    return None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -14,6 +13,7 @@ from torch import Tensor
 
 from ..inputs import encode, token_strings
 from ..loading import LoadedModel
+from ..registry import import_if_present
 from .flow import extract_routes, forward_factors, propagate
 from .methods import METHODS
 from .options import AttributeOptions
@@ -140,15 +140,12 @@ def method_function(name: str) -> MethodFunction:
     if not func:
         raise ValueError(f"attribution method {name!r}: entry {entry!r} names no function; {fix}")
     full = f"{__package__}{module}" if module.startswith(".") else module
-    try:
-        where = importlib.import_module(full)
-    except ModuleNotFoundError as err:
-        if err.name is None or not (full == err.name or full.startswith(err.name + ".")):
-            raise  # the module was found; something it imports is missing
+    where = import_if_present(full)
+    if where is None:
         raise ValueError(
             f"attribution method {name!r}: cannot import module {full!r} of its entry "
             f"{entry!r}; it must be importable (installed, or on PYTHONPATH)"
-        ) from None
+        )
     fn: MethodFunction | None = getattr(where, func, None)
     if not callable(fn):
         raise ValueError(

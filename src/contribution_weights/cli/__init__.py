@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import os
 import signal
 import sys
@@ -22,6 +21,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ..experiments.spec import EXPERIMENTS
+from ..registry import import_if_present
 from . import (
     attribute_cmd,
     experiment_cmd,
@@ -171,16 +171,12 @@ def load_plugins(names: str | None = None) -> list[str]:
                 f"module and put its folder on PYTHONPATH (PYTHONPATH=FOLDER "
                 f"{PLUGINS_ENV}={stem or 'module'} cw ...)"
             )
-        try:
-            importlib.import_module(name)
-        except ModuleNotFoundError as err:
-            if err.name is None or not (name == err.name or name.startswith(err.name + ".")):
-                raise  # the module was found; something it imports is missing
+        if import_if_present(name) is None:
             raise PluginNotFoundError(
-                f"{PLUGINS_ENV}: cannot import module {name!r} ({err}); name an importable "
+                f"{PLUGINS_ENV}: cannot import module {name!r}; name an importable "
                 f"module: installed, or on PYTHONPATH (for a file ./{name}.py in the "
                 f"current folder: PYTHONPATH=. {PLUGINS_ENV}={name} cw ...)"
-            ) from None
+            )
         loaded.append(name)
     return loaded
 
