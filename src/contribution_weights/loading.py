@@ -477,11 +477,8 @@ def _check_device(device: str | torch.device) -> None:
         ) from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            build = (
-                "this torch build has no CUDA"
-                if torch.version.cuda is None
-                else ("no CUDA GPU is visible")
-            )
+            no_cuda = torch.version.cuda is None
+            build = "this torch build has no CUDA" if no_cuda else "no CUDA GPU is visible"
             raise ModelLoadError(
                 f"device {str(device)!r}: {build} (torch.cuda.is_available() is False); "
                 "use cpu, or a machine and torch build with CUDA"

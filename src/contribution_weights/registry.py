@@ -113,7 +113,7 @@ class Registry(Generic[T]):
         if len(unknown) == 1:
             raise UnknownNameError(self._unknown(unknown[0]))
         if unknown:  # every unknown name at once, not one per attempt
-            shown = ", ".join(self._guess(u) for u in unknown)
+            shown = ", ".join(f"{u!r}{self._did_you_mean(u)}" for u in unknown)
             raise UnknownNameError(
                 f"unknown {self.plural} {shown}; valid {self.plural}: {self._valid()}"
             )
@@ -135,15 +135,14 @@ class Registry(Generic[T]):
     def _valid(self) -> str:
         return ", ".join(self._items) or "(none registered)"
 
+    def _did_you_mean(self, name: str) -> str:
+        """`` (did you mean 'x'?)`` with the closest registered name, or nothing."""
+        close = difflib.get_close_matches(name, [*self._items, *self._aliases()], n=1)
+        return f" (did you mean {close[0]!r}?)" if close else ""
+
     def _unknown(self, name: str) -> str:
         message = f"unknown {self.kind} {name!r}; valid {self.plural}: {self._valid()}"
-        close = difflib.get_close_matches(name, [*self._items, *self._aliases()], n=1)
-        return message + (f" (did you mean {close[0]!r}?)" if close else "")
-
-    def _guess(self, name: str) -> str:
-        """``'name'``, with the closest registered name when there is one."""
-        close = difflib.get_close_matches(name, [*self._items, *self._aliases()], n=1)
-        return f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+        return message + self._did_you_mean(name)
 
 
 __all__ = ["Registry", "UnknownNameError"]

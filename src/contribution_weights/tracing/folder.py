@@ -33,6 +33,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 LOCK_NAME = ".cw-lock"
 STAGING_PREFIX = ".partial-"
@@ -76,16 +77,23 @@ class Damage:
         return f"{self.file}: {self.problem}"
 
 
-def recorded_checksums(folder: Path) -> dict[str, str] | None:
-    """The checksums in ``folder/meta.json`` (None: a trace written before they existed)."""
+def _read_meta(folder: Path) -> Any:
     try:
-        meta = json.loads((folder / "meta.json").read_text())
+        return json.loads((folder / "meta.json").read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise TraceFileError(
             f"{folder / 'meta.json'} cannot be read ({exc}); {_no_trace_hint(folder)}"
         ) from None
+
+
+def _checksums_in(meta: Any) -> dict[str, str] | None:
     sums = meta.get("checksums") if isinstance(meta, dict) else None
     return dict(sums) if isinstance(sums, dict) else None
+
+
+def recorded_checksums(folder: Path) -> dict[str, str] | None:
+    """The checksums in ``folder/meta.json`` (None: a trace written before they existed)."""
+    return _checksums_in(_read_meta(folder))
 
 
 def verify(folder: str | Path) -> list[Damage]:
@@ -97,8 +105,9 @@ def verify(folder: str | Path) -> list[Damage]:
     folder = Path(folder)
     if not (folder / "meta.json").is_file():
         raise TraceFileError(f"{folder} holds no trace (no meta.json); {_no_trace_hint(folder)}")
-    sums = recorded_checksums(folder)
-    if sums is None and "format" not in _meta_keys(folder):
+    meta = _read_meta(folder)
+    sums = _checksums_in(meta)
+    if sums is None and not (isinstance(meta, dict) and "format" in meta):
         raise TraceFileError(
             f"{folder}/meta.json is not a trace's meta.json (no format); is it a trace folder?"
         )
@@ -128,20 +137,12 @@ def check_file(path: Path, expected: str | None) -> None:
         )
 
 
-def _meta_keys(folder: Path) -> set[str]:
-    try:
-        meta = json.loads((folder / "meta.json").read_text())
-    except (OSError, ValueError):
-        return set()
-    return set(meta) if isinstance(meta, dict) else set()
-
-
 def _no_trace_hint(folder: Path) -> str:
     if not folder.exists():
         return "the folder does not exist; give the folder cw trace --out wrote"
     if not folder.is_dir():
         return "it is a file; give the trace's folder (what cw trace --out wrote)"
-    staged = sorted(p.name for p in folder.glob(f"{STAGING_PREFIX}*")) if folder.is_dir() else []
+    staged = sorted(p.name for p in folder.glob(f"{STAGING_PREFIX}*"))
     if staged:
         return (
             f"a trace into it was interrupted (its partial files are in {folder / staged[0]}); "
