@@ -270,8 +270,9 @@ def check_run_folder(path: Path, resume: bool) -> None:
     if holds_run(path, resume, flag="--resume"):
         return
     # the first process only: under accelerate launch the others may see its new files
-    others = [p.name for p in path.iterdir() if not p.name.startswith(".")] if path.is_dir() else []
-    if others and os.environ.get("RANK", "0") == "0":
+    listed = _first_process() and path.is_dir()
+    others = [p.name for p in path.iterdir() if not p.name.startswith(".")] if listed else []
+    if others:
         shown = ", ".join(sorted(others)[:3]) + (", …" if len(others) > 3 else "")
         raise _input_error(
             f"--out {path} holds other files ({shown}) but no run (no config.json); "
@@ -281,10 +282,15 @@ def check_run_folder(path: Path, resume: bool) -> None:
         notice(f"no run in {path} yet: --resume starts a new one there")
 
 
+def _first_process() -> bool:
+    """Whether this is the first (or only) process: ``accelerate launch`` sets ``RANK``."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def notice(message: str) -> None:
     """A line for the user on standard error, said once: by the first process only when
     ``accelerate launch`` runs several (each sets ``RANK``)."""
-    if os.environ.get("RANK", "0") == "0":
+    if _first_process():
         print(message, file=sys.stderr)
 
 
