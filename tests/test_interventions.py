@@ -138,3 +138,64 @@ def test_observers_never_see_alpha_v_that_a_replacement_changed() -> None:
             model(input_ids=ids, use_cache=False)
         layer_one = seen[1]  # layer 0 runs unedited; layer 1 is edited
         assert layer_one is expect_none, how
+
+
+class EveryLayer:
+    """``key_mask`` of the same tokens in every head of every layer."""
+
+    def __init__(self, gone: list[int], heads: int, t: int):
+        self.removed = torch.zeros(1, heads, t, dtype=torch.bool)
+        self.removed[:, :, gone] = True
+
+    def edit(self, call):
+        return AttentionEdit(masked=self.removed)
+
+
+def _decode_deleting(model, ids: torch.Tensor, gone: list[int]) -> torch.Tensor:
+    """``(T, V)`` logits of a token-by-token decode (the model's sdpa attention, which
+    keeps float64 throughout; eager's softmax rounds to float32) that deletes each token of
+    ``gone`` from every layer's cache once it has been fed (its keys and values are then
+    in no later query's cache); positions stay the original ones."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    out = []
+    for pos in range(ids.shape[1]):
+        length = cache.get_seq_length()
+        step = model(
+            input_ids=ids[:, pos : pos + 1],
+            position_ids=torch.tensor([[pos]]),
+            cache_position=torch.tensor([length]),
+            cache=cache,
+            use_cache=True,
+        )
+        out.append(step.logits[0, -1])
+        if pos in gone:  # the token just fed is the cache's last entry in every layer
+            for layer in cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, :-1], layer.values[:, :, :-1]
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_key_mask_equals_deleting_the_tokens_from_the_cache(family: str) -> None:
+    """Masking a token's key in every head and layer is the token evicted from the cache:
+    every other position's logits equal an explicit decode whose cache loses the token's
+    keys and values right after it is fed (float64 weights)."""
+    model = tiny_model(family, dtype=torch.float64).model
+    model.set_attn_implementation("sdpa")
+    ids = torch.randint(0, 99, (1, T), generator=torch.Generator().manual_seed(11))
+    gone = [2, 5, 6, 9]
+    probe = EveryLayer(gone, model.config.num_attention_heads, T)
+    with torch.no_grad():
+        with capturing(model, intervention=probe):
+            masked = model(input_ids=ids, use_cache=False).logits[0]
+        deleted = _decode_deleting(model, ids, gone)
+        plain = _decode_deleting(model, ids, [])
+        whole = model(input_ids=ids, use_cache=False).logits[0]
+    others = [p for p in range(T) if p not in gone]
+    # the capture's softmax rounds to float32 as these families' eager attention does
+    # (differences up to ~4e-8 here), five orders below what the deletion changes (>= 5e-3)
+    torch.testing.assert_close(masked[others], deleted[others], rtol=1e-6, atol=1e-7)
+    # the decode itself is the model's forward, and the deletion changed what follows it
+    torch.testing.assert_close(plain, whole, rtol=1e-10, atol=1e-10)
+    assert (deleted[gone[0] + 1 :] - plain[gone[0] + 1 :]).abs().max() > 1e-3
