@@ -177,3 +177,37 @@ def test_hits_rank_the_source_among_the_candidates_and_among_all():
     protected = AttributionEval._hits(scores, item, protect_first=True)
     assert protected == {"rank": 1.0, "hit1": 1.0, "hit5": 1.0, "rank_all": 2.0}
     assert AttributionEval._hits(scores, item, protect_first=False)["rank"] == 2.0
+
+
+def test_known_answer_runs_score_the_baselines_hits_and_add_them_on_resume(smollm2, tmp_path):
+    """The baselines' hits come from the orders the curves remove by: recency ranks the
+    source (position − source)th; the three random seeds pool into one ``random`` row. A
+    folder without them (a run made before they existed) gets them on ``--resume``, its
+    rows untouched."""
+    options = AttributionEvalOptions(task="induction", n=2, tokens=32, methods="flow,rollout",
+                                     rates=[0.5], interventions="key_mask")  # fmt: skip
+    result = attribution_eval(smollm2, options=options, out=tmp_path)
+    extra = result.baseline_hits
+    assert sorted(set(extra["measure"])) == ["random:0", "random:1", "random:2", "recency"]
+    assert len(extra) == 2 * 4 and extra["rank_all"].isna().all()
+    for index in range(2):
+        item = make_item("induction", smollm2.tokenizer, index, seed=0, tokens=32)
+        row = extra[(extra["item"] == index) & (extra["measure"] == "recency")].iloc[0]
+        assert row["rank"] == item.position - item.sources[0]
+        ranks = extra[extra["item"] == index]["rank"]
+        assert ranks.between(1, item.position - 1).all()
+    summary = result.summary.set_index("measure")
+    assert {"flow", "random", "recency"} <= set(summary.index)
+    assert summary.loc["random", "n"] == 2 and not math.isnan(summary.loc["recency", "top1"])
+    assert list(result.hits_paired()["other"]) == ["rollout"]  # methods only
+    rows_before = (tmp_path / "rows.csv").read_text()
+    saved = (tmp_path / "baseline_hits.csv").read_text()
+    (tmp_path / "baseline_hits.csv").unlink()
+    again = attribution_eval(smollm2, options=options, out=tmp_path, resume=True)
+    assert (tmp_path / "baseline_hits.csv").read_text() == saved
+    assert (tmp_path / "rows.csv").read_text() == rows_before
+    pd.testing.assert_frame_equal(again.summary, result.summary)
+    loaded = AttributionEvalResult.load(tmp_path)
+    pd.testing.assert_frame_equal(loaded.baseline_hits, result.baseline_hits, check_dtype=False)
+    cw.plot(loaded, tmp_path / "attribution-eval.png")  # a hit-rate bar per pooled ranking
+    assert (tmp_path / "attribution-eval.png").stat().st_size > 10_000

@@ -19,8 +19,11 @@ attributes the log-probability of the item's answer at its last position. Then:
   by the vocabulary's mean embedding (``embedding``).
 
 Rows go to ``rows.csv`` (kind ``hit`` per method, kind ``curve`` per ranking,
-intervention, mode and rate); the summary and the paired statistics (flow against every
-other ranking: bootstrap intervals, Holm; McNemar on top-1 hits) are computed from them.
+intervention, mode and rate); on known-answer tasks the baselines' hits (the same ranks,
+by the random and recency orders the curves use) go to ``baseline_hits.csv`` in a second
+phase, which needs no forward pass: ``--resume`` on a run made before it existed adds them
+in seconds. The summary and the paired statistics (flow against every other ranking:
+bootstrap intervals, Holm; McNemar on top-1 hits) are computed from them.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from ..loading import LoadedModel
 from ..runs import fingerprint
 from .options import AttributionEvalOptions
 from .paired import holm, mcnemar_p, paired_differences
-from .result import RowsResult, typed_frame, write_csv
+from .result import RowsResult, read_csv, typed_frame, write_csv
 from .runner import Experiment, Phase, SkipUnit, run_experiment
 
 MODES = ("comprehensiveness", "sufficiency", "insertion")
@@ -197,6 +200,29 @@ class AttributionEval(Experiment["AttributionEvalResult"]):
         curves = len(o.rankings()) * len(o.interventions) * len(MODES) * len(o.rates)
         return len(o.methods) + curves
 
+    @property
+    def baseline_rankings(self) -> list[str]:
+        """The rankings that are not methods (``random:SEED`` per seed, ``recency``)."""
+        return [r for r in self.options.rankings() if r not in self.options.methods]
+
+    def baseline_hits(self, index: int) -> list[dict[str, Any]]:
+        """The baselines' hits on a known-answer item: the source's rank in each baseline's
+        order of the candidates, the orders the curves remove by (``rank_all`` is not
+        defined for them: token 0 has no place in their orders)."""
+        o, item = self.options, self.items[index]
+        first = 1 if o.protect_first else 0
+        candidates = torch.arange(first, item.position, dtype=torch.long)
+        if candidates.numel() < 2:
+            raise SkipUnit("fewer than 2 candidate tokens")
+        base = {"item": index, "kind": "hit", "tokens": len(item.ids)}
+        rows = []
+        for name in self.baseline_rankings:
+            order = ranking_order(name, {}, candidates, index, o.seed).tolist()
+            rank = 1 + min(order.index(s) for s in item.sources)
+            rows.append({**base, "measure": name, "rank": float(rank), "hit1": float(rank == 1),
+                         "hit5": float(rank <= 5), "rank_all": math.nan})  # fmt: skip
+        return [{c: row.get(c, "") for c in COLUMNS} for row in rows]
+
     def run(self, index: int) -> list[dict[str, Any]]:
         o = self.options
         item = self.items[index]
@@ -263,6 +289,15 @@ class AttributionEval(Experiment["AttributionEvalResult"]):
             key="item",
             rows_per_unit=self.rows_per_unit,
         )
+        if self.options.task in KNOWN_ANSWER and self.baseline_rankings:
+            yield Phase(
+                "baseline-hits",
+                range(len(self.items)),
+                self.baseline_hits,
+                rows_file=AttributionEvalResult.BASELINE_HITS,
+                key="item",
+                rows_per_unit=len(self.baseline_rankings),
+            )
 
     def result(
         self, rows: Mapping[str, Sequence[Mapping[str, Any]]], run_info: dict[str, Any]
@@ -274,14 +309,53 @@ class AttributionEvalResult(RowsResult):
     """Rows of an attribution evaluation, its summary and paired statistics."""
 
     ROWS: ClassVar[str] = "rows.csv"
+    #: the baselines' hits on known-answer tasks (the runner's second phase)
+    BASELINE_HITS: ClassVar[str] = "baseline_hits.csv"
+
+    def __init__(
+        self,
+        rows: pd.DataFrame,
+        config: dict[str, Any],
+        run_info: dict[str, Any] | None = None,
+        baseline_hits: pd.DataFrame | None = None,
+    ) -> None:
+        self.baseline_hits = self.frame([]) if baseline_hits is None else baseline_hits
+        super().__init__(rows, config, run_info)
 
     @classmethod
     def frame(cls, rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
         return typed_frame(rows, "item", ints=("item", "tokens"), blanks=NUMBERS)
 
+    @classmethod
+    def from_rows(
+        cls,
+        rows: Mapping[str, Sequence[Mapping[str, Any]]],
+        config: dict[str, Any],
+        run_info: dict[str, Any],
+    ) -> AttributionEvalResult:
+        return cls(cls.frame(rows.get(cls.ROWS, [])), config, run_info,
+                   cls.frame(rows.get(cls.BASELINE_HITS, [])))  # fmt: skip
+
+    @classmethod
+    def from_files(
+        cls, folder: Path, config: dict[str, Any], run_info: dict[str, Any]
+    ) -> AttributionEvalResult:
+        extra = folder / cls.BASELINE_HITS
+        return cls(cls.frame(read_csv(folder / cls.ROWS)), config, run_info,
+                   cls.frame(read_csv(extra)) if extra.is_file() else None)  # fmt: skip
+
+    def write_files(self, folder: Path) -> None:
+        if not self.baseline_hits.empty:
+            write_csv(Path(folder) / self.BASELINE_HITS, self.baseline_hits)
+        super().write_files(folder)
+
     @property
     def hits(self) -> pd.DataFrame:
-        return self.rows[self.rows["kind"] == "hit"]
+        """The methods' hit rows, then the baselines' (``random:SEED`` per seed)."""
+        own = self.rows[self.rows["kind"] == "hit"] if not self.rows.empty else self.rows
+        if self.baseline_hits.empty:
+            return own
+        return pd.concat([own, self.baseline_hits], ignore_index=True)
 
     @property
     def curves(self) -> pd.DataFrame:
@@ -295,10 +369,7 @@ class AttributionEvalResult(RowsResult):
             return pd.DataFrame(
                 columns=["intervention", "mode", "rate", "measure", "n", "mean", "se"]
             )
-        pooled = c.assign(measure=c["measure"].str.replace(r"^random:\d+$", "random", regex=True))
-        per_item = pooled.groupby(
-            ["intervention", "mode", "rate", "measure", "item"], sort=False, as_index=False
-        )["delta"].mean()
+        per_item = _pool_seeds(c, ["delta"], ["intervention", "mode", "rate"])
         return (
             per_item.groupby(["intervention", "mode", "rate", "measure"], sort=False)["delta"]
             .agg(n="count", mean="mean", se="sem")
@@ -319,6 +390,7 @@ class AttributionEvalResult(RowsResult):
             out.setdefault(str(measure), {})[f"{mode}_{how}"] = float(value)
         hits = self.hits
         if not hits.empty:
+            hits = _pool_seeds(hits, ["hit1", "hit5", "rank", "rank_all", "seconds"])
             agg = hits.groupby("measure", sort=False).agg(
                 n=("item", "count"), top1=("hit1", "mean"), top5=("hit5", "mean"),
                 rank=("rank", "mean"), top1_all=("rank_all", _share_first),
@@ -346,7 +418,8 @@ class AttributionEvalResult(RowsResult):
     def hits_paired(self) -> pd.DataFrame:
         """Flow's top-1 hits against every other method's on the same items: exact McNemar,
         Holm over the methods."""
-        h = self.hits.dropna(subset=["hit1"])
+        h = self.rows[self.rows["kind"] == "hit"] if not self.rows.empty else self.rows
+        h = h.dropna(subset=["hit1"])  # the methods' (a baseline's hits are a floor)
         if h.empty or REFERENCE not in set(h["measure"]):
             return pd.DataFrame()
         table = h.pivot_table(index="item", columns="measure", values="hit1")
@@ -395,6 +468,13 @@ def attribution_eval(
     """Evaluate end-to-end attributions (module docstring); resumable with ``out``."""
     experiment = AttributionEval(model, texts, options or AttributionEvalOptions(), batch_size)
     return run_experiment(experiment, out, resume=resume)
+
+
+def _pool_seeds(rows: pd.DataFrame, values: list[str], keys: Sequence[str] = ()) -> pd.DataFrame:
+    """``rows`` with the random seeds' rows (``random:SEED``) averaged per item into one
+    ``random`` row (per ``keys``); other rankings' rows as they are (one per item and key)."""
+    pooled = rows.assign(measure=rows["measure"].str.replace(r"^random:\d+$", "random", regex=True))
+    return pooled.groupby([*keys, "measure", "item"], sort=False, as_index=False)[values].mean()
 
 
 def _share_first(ranks: pd.Series) -> float:
