@@ -22,10 +22,13 @@ writes (its path is stored in the file of step 1), in float32 with eager attenti
 ObservedAttentionPress needs the attention weights).
 
 Inputs: the first ``--n`` FineWeb-Edu LM items of ``C + 129`` tokens (as ``cw kv-eval``).
-For every method both libraries have (StreamingLLM, observed attention, SnapKV, TOVA, key
-norm) and ratio, the report gives the largest score difference (methods whose scores do
-not depend on the ratio), the fraction of kept entries that agree, and both NLLs of the
-next 128 tokens.
+For every method both libraries have and ratio, the report gives the largest score
+difference (methods whose scores do not depend on the ratio), the fraction of our kept
+entries that kvpress keeps too, and both NLLs of the next 128 tokens. Five are defined
+alike on both sides (StreamingLLM, observed attention, SnapKV, TOVA, key norm) and KeyDiff
+too; three differ by design (:data:`DIFFERS`), and the report measures by how much.
+AdaKV needs kvpress's sdpa path (its attention patch masks the evicted keys per head), so
+that method runs on a second copy of the model with sdpa attention.
 """
 
 from __future__ import annotations
@@ -37,15 +40,30 @@ from typing import Any
 
 from _timing import data_dir  # benchmarks/_timing.py, beside this script
 
-# ours -> kvpress press name
+# ours -> kvpress press name (a wrapper press: "Wrapper(Inner)")
 SHARED_METHODS = {
     "streaming_llm": "StreamingLLMPress",
     "observed_attention": "ObservedAttentionPress",
     "snapkv": "SnapKVPress",
     "tova": "TOVAPress",
     "knorm": "KnormPress",
+    "keydiff": "KeyDiffPress",
+    "criticalkv": "CriticalKVPress(SnapKVPress)",
+    "expected_attention": "ExpectedAttentionPress",
+    "adakv_snapkv": "AdaKVPress(SnapKVPress)",
 }
-RATIO_FREE = {"observed_attention", "snapkv", "tova", "knorm"}  # scores independent of ratio
+# scores independent of the ratio, compared directly
+RATIO_FREE = {"observed_attention", "snapkv", "tova", "knorm", "keydiff", "expected_attention"}
+#: where our method is not kvpress's by design (docs/kv-cache.md says why)
+DIFFERS = {
+    "criticalkv": "stage 2 weighs by the L2 norm of W_O v (kvpress: L1)",
+    "expected_attention": "query mean and covariance from the window's queries after RoPE "
+    "(kvpress: every query but the sinks, before RoPE, turned by the mean rotation of the "
+    "next 512 positions)",
+    "adakv_snapkv": "the safeguard rounded up (kvpress: down)",
+}
+#: kvpress presses that need its sdpa path
+SDPA = {"adakv_snapkv"}
 
 
 def ours(args: argparse.Namespace) -> None:
@@ -73,7 +91,9 @@ def ours(args: argparse.Namespace) -> None:
             item["scores"][method] = {i: spec.score(s).float() for i, s in pre.stats.items()}
             for ratio in args.ratios:
                 small = cw.kv.compress(pre, method, ratio)
-                item["kept"][(method, ratio)] = small.kept
+                item["kept"][(method, ratio)] = {
+                    i: _mask(k, pre.length) for i, k in small.kept.items()
+                }
                 item["nll"][(method, ratio)] = lm_score(model, small, fed)["nll"]
         record["items"].append(item)
         print(f"ours: item {len(record['items'])} done")
@@ -88,9 +108,13 @@ def kvpress_side(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM, DynamicCache
 
     record = torch.load(args.ours, weights_only=False)
-    model = AutoModelForCausalLM.from_pretrained(
-        record["model_dir"], dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    models = {
+        kind: AutoModelForCausalLM.from_pretrained(
+            record["model_dir"], dtype=torch.float32, attn_implementation=kind
+        ).eval()
+        for kind in ("eager", "sdpa")
+    }
+    model = models["eager"]
     c = record["context"]
     report: dict[str, Any] = {
         "kvpress": kvpress.__version__ if hasattr(kvpress, "__version__") else "0.5.5",
@@ -117,36 +141,58 @@ def kvpress_side(args: argparse.Namespace) -> None:
              "nll_kvpress": base}
         )  # fmt: skip
         for method, press_name in SHARED_METHODS.items():
+            run = models["sdpa" if method in SDPA else "eager"]
             for ratio in record["ratios"]:
-                press = getattr(kvpress, press_name)(compression_ratio=ratio)
-                scores: list[Any] = []
-                original = press.score
+                press = _press(kvpress, press_name, ratio)
+                scores: list[Any] = []  # per layer, (B, G, T)
+                evicted: list[Any] = []  # AdaKV: per layer, the (b, g, t) indices it masks
+                scorer = press.press if press_name.startswith("AdaKV") else press
+                original = scorer.score
 
                 def score(*a: Any, _orig: Any = original, _out: list[Any] = scores) -> Any:
                     s = _orig(*a)
-                    _out.append(s.detach().float())
+                    _out.append(s.detach().float().clone())
                     return s
 
-                press.score = score  # type: ignore[method-assign]
-                with torch.no_grad(), press(model):
+                scorer.score = score  # type: ignore[method-assign]
+                if press_name.startswith("AdaKV"):
+                    compress = press.compress
+
+                    def masked(
+                        module: Any, *a: Any, _orig: Any = compress, _out: list[Any] = evicted
+                    ) -> Any:
+                        out = _orig(module, *a)
+                        _out.append(module.masked_key_indices)
+                        return out
+
+                    press.compress = masked  # type: ignore[method-assign]
+                with torch.no_grad(), press(run):
                     cache = DynamicCache()
-                    model(input_ids=prefix, past_key_values=cache)
+                    run(input_ids=prefix, past_key_values=cache)
                 with torch.no_grad():
-                    logits = model(
+                    logits = run(
                         input_ids=fed[:, :-1], past_key_values=cache,
                         position_ids=torch.arange(c, c + 128)[None],
                     ).logits  # fmt: skip
-                theirs_kept = [
-                    s.topk(max(1, int(s.shape[-1] * (1 - ratio))), dim=-1).indices.sort(-1).values
-                    for s in scores
-                ]
+                if evicted:
+                    theirs = []
+                    for s, (b, g, t) in zip(scores, evicted, strict=True):
+                        keep = torch.ones(s.shape, dtype=torch.bool)
+                        keep[b, g, t] = False
+                        theirs.append(keep)
+                else:
+                    theirs = [_mask(_top(s, ratio), s.shape[-1]) for s in scores]
                 mine = item["kept"][(method, ratio)]
-                agree = [_agreement(mine[i], theirs_kept[i]) for i in sorted(mine)]
+                layers = sorted(mine)
+                ours_kept = sum(int(mine[i].sum()) for i in layers)
+                shared = sum(int((mine[i] & theirs[k]).sum()) for k, i in enumerate(layers))
                 row = {
                     "item": n_item,
                     "method": method,
                     "ratio": ratio,
-                    "kept_agreement": sum(agree) / len(agree),
+                    "kept_agreement": shared / ours_kept,
+                    "kept_ours": ours_kept,
+                    "kept_kvpress": sum(int(t.sum()) for t in theirs),
                     "nll_ours": item["nll"][(method, ratio)],
                     "nll_kvpress": _nll(logits, fed[:, 1:]),
                 }
@@ -169,10 +215,26 @@ def _nll(logits: Any, targets: Any) -> float:
     return float(-logp.gather(-1, targets[..., None]).mean())
 
 
-def _agreement(a: Any, b: Any) -> float:
-    """Fraction of kept positions the two kept sets share, over layers' KV heads."""
-    same = (a[..., :, None] == b[..., None, :]).any(-1).float().mean()
-    return float(same)
+def _mask(kept: Any, length: int) -> Any:
+    """``(B, G, S)`` kept positions (−1: a padded slot) → ``(B, G, length)`` booleans."""
+    import torch
+
+    out = torch.zeros(*kept.shape[:-1], length + 1, dtype=torch.bool)
+    out.scatter_(-1, kept.long().where(kept >= 0, length), True)  # padded slots: the extra column
+    return out[..., :length]
+
+
+def _top(scores: Any, ratio: float) -> Any:
+    """The positions a kvpress ScorerPress keeps: its top ``int(T · (1 − ratio))``."""
+    return scores.topk(max(1, int(scores.shape[-1] * (1 - ratio))), dim=-1).indices
+
+
+def _press(kvpress: Any, name: str, ratio: float) -> Any:
+    """A kvpress press by name; ``Wrapper(Inner)`` wraps a fresh inner press."""
+    if "(" in name:
+        outer, inner = name.rstrip(")").split("(")
+        return getattr(kvpress, outer)(press=getattr(kvpress, inner)(compression_ratio=ratio))
+    return getattr(kvpress, name)(compression_ratio=ratio)
 
 
 def _print_summary(report: dict[str, Any]) -> None:
