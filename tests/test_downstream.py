@@ -222,10 +222,16 @@ def test_summary_intervals_mcnemar_and_chance_from_per_item_rows():
         rows.append({"item": item, "measure": "vw", "rate": 0.5, "answer": 0, "pick": 1 - ok,
                      "correct": ok, "clean_pick": 1 - clean_ok, "clean_correct": clean_ok,
                      "n_prompt_tokens": 5, "n_options": 4 if item % 2 else 2})  # fmt: skip
-    s = summarise(per_item_frame(rows), "toy").iloc[0]
+    # a second configuration whose answers are the clean ones: p = 1, a Holm family of two
+    same = [{**r, "measure": "ihc", "pick": r["clean_pick"], "correct": r["clean_correct"]}
+            for r in rows]  # fmt: skip
+    table = summarise(per_item_frame(rows + same), "toy")
+    s = table.iloc[0]
     assert s.accuracy == pytest.approx(6 / 20) and s.clean_accuracy == pytest.approx(12 / 20)
     assert s.chance == pytest.approx((0.5 + 0.25) / 2)
     assert s.p_vs_clean == pytest.approx(binomial_test_ref(2, 10))
+    assert s.p_vs_clean_holm == pytest.approx(min(1.0, 2 * binomial_test_ref(2, 10)))
+    assert table.iloc[1].p_vs_clean == 1.0 and table.iloc[1].p_vs_clean_holm == 1.0
     assert s.accuracy_lo < s.accuracy < s.accuracy_hi and s.clean_lo < s.clean_accuracy < s.clean_hi
     assert s.changed == pytest.approx(10 / 20)  # 8 lost + 2 gained answers differ from clean
 

@@ -40,7 +40,7 @@ from .options import (  # the options are light: the CLI reads them before torch
     as_floats,
     split_names,
 )
-from .paired import OUTCOMES, REFERENCE, mcnemar_table
+from .paired import OUTCOMES, REFERENCE, holm, mcnemar_table
 from .result import SUMMARY as SUMMARY  # re-exported: the summary file
 from .result import RowsResult, typed_frame, write_csv
 from .runner import Experiment, Phase, SkipUnit, run_experiment
@@ -49,8 +49,8 @@ PER_ITEM = "per_item.csv"
 PAIRED = "summary_paired.csv"  # the reference against every other ranking (.paired)
 SUMMARY_COLUMNS = [
     "task", "measure", "rate", "n", "accuracy", "clean_accuracy",
-    "accuracy_lo", "accuracy_hi", "clean_lo", "clean_hi", "chance", "p_vs_clean", "p_vs_chance",
-    "changed",
+    "accuracy_lo", "accuracy_hi", "clean_lo", "clean_hi", "chance", "p_vs_clean",
+    "p_vs_clean_holm", "p_vs_chance", "changed",
 ]  # fmt: skip
 #: two-sided 95% normal quantile of the Wilson intervals
 Z95 = 1.959963984540054
@@ -164,9 +164,11 @@ def pick(scores: torch.Tensor) -> torch.Tensor:
 def summarise(per_item: pd.DataFrame, task: str) -> pd.DataFrame:
     """Accuracy per (measure, rate) with its 95% Wilson interval, the clean accuracy with
     its interval, chance (the mean of 1/options over items), the exact McNemar p-value
-    of the paired difference from clean (items flipped each way) and the exact binomial
-    p-value against chance; ``changed`` is the fraction of items whose answer differs from
-    the clean one (informative even when accuracy cannot move, e.g. a model at chance)."""
+    of the paired difference from clean (items flipped each way), the same Holm-corrected
+    over every row of the table (``p_vs_clean_holm``: the task's rankings × rates) and the
+    exact binomial p-value against chance; ``changed`` is the fraction of items whose
+    answer differs from the clean one (informative even when accuracy cannot move, e.g. a
+    model at chance)."""
     if per_item.empty:
         return pd.DataFrame(columns=SUMMARY_COLUMNS)
     items = per_item.drop_duplicates("item")
@@ -185,10 +187,12 @@ def summarise(per_item: pd.DataFrame, task: str) -> pd.DataFrame:
         rows.append([
             task, measure, float(rate), n, k / n, clean,
             *wilson_interval(k, n), *wilson_interval(k_clean, n_clean), chance,
-            binomial_test(lost, lost + gained, 0.5), p_chance,
+            binomial_test(lost, lost + gained, 0.5), math.nan, p_chance,
             float((g["pick"] != g["clean_pick"]).mean()),
         ])  # fmt: skip
-    return pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
+    table = pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
+    table["p_vs_clean_holm"] = holm(table["p_vs_clean"].to_numpy(float))
+    return table
 
 
 class DownstreamResult(RowsResult):
