@@ -13,6 +13,10 @@ tokens, the NLL of the next 128 tokens when token 0 is
 
 and, from the prefill's last-64-query window, token 0's share of the attention
 (mean over heads of α_i0) and of the absolute contribution (Σ|ĉ_i0| / Σ_j |ĉ_ij|).
+
+The output keeps every item's row (``items``) and the paired differences of the three NLLs
+on the same items (``paired``: evicted − kept, zeroed − kept, evicted − zeroed; mean, s.e.,
+percentile-bootstrap 95% interval and the paired t-test's p).
 """
 
 from __future__ import annotations
@@ -41,6 +45,25 @@ class _ZeroFirstColumn:
         scale = torch.ones(call.batch, call.num_heads, call.k_len, dtype=call.query.dtype)
         scale[..., 0] = 0
         return scale
+
+
+def _paired(rows: list[dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Paired differences of the NLLs over the same items: mean, s.e., bootstrap 95%
+    interval, paired t-test p."""
+    import numpy as np
+
+    from contribution_weights.experiments.paired import bootstrap_interval, t_test
+
+    out = {}
+    for name, a, b in (("evicted_minus_kept", "nll_evicted", "nll_full"),
+                       ("zeroed_minus_kept", "nll_zeroed", "nll_full"),
+                       ("evicted_minus_zeroed", "nll_evicted", "nll_zeroed")):  # fmt: skip
+        d = np.array([r[a] - r[b] for r in rows])
+        low, high = bootstrap_interval(d)
+        se = float(d.std(ddof=1) / np.sqrt(d.size)) if d.size > 1 else float("nan")
+        out[name] = {"mean": float(d.mean()), "se": se, "ci_low": low, "ci_high": high,
+                     "p": t_test(d)}  # fmt: skip
+    return out
 
 
 def main() -> int:
@@ -99,7 +122,8 @@ def main() -> int:
         print(json.dumps(rows[-1]))
     summary = {k: statistics.mean(r[k] for r in rows) for k in rows[0]}
     sem = {k + "_se": statistics.stdev(r[k] for r in rows) / len(rows) ** 0.5 for k in rows[0]}
-    result = {"model": model.name, "context": c, "n": len(rows), **summary, **sem}
+    result = {"model": model.name, "context": c, "n": len(rows), **summary, **sem,
+              "paired": _paired(rows), "items": rows}  # fmt: skip
     print(json.dumps(result, indent=2))
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=2))
