@@ -45,3 +45,18 @@ def data_dir() -> Path:
             + (f"; {value} is not a folder" if value else "")
         )
     return Path(value)
+
+
+def plain_models(model_dir: str) -> dict[str, Any]:
+    """The dequantised model folder loaded with plain transformers, float32, in eval mode,
+    once per attention implementation (``eager``, ``sdpa``): the kvpress environment's
+    side of the cross-checks."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return {
+        impl: AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, attn_implementation=impl
+        ).eval()
+        for impl in ("eager", "sdpa")
+    }

@@ -38,7 +38,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from _timing import data_dir  # benchmarks/_timing.py, beside this script
+from _timing import data_dir, plain_models  # benchmarks/_timing.py, beside this script
 
 # ours -> kvpress press name (a wrapper press: "Wrapper(Inner)")
 SHARED_METHODS = {
@@ -105,15 +105,10 @@ def kvpress_side(args: argparse.Namespace) -> None:
     import kvpress
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers import DynamicCache
 
     record = torch.load(args.ours, weights_only=False)
-    models = {
-        kind: AutoModelForCausalLM.from_pretrained(
-            record["model_dir"], dtype=torch.float32, attn_implementation=kind
-        ).eval()
-        for kind in ("eager", "sdpa")
-    }
+    models = plain_models(record["model_dir"])
     model = models["eager"]
     c = record["context"]
     report: dict[str, Any] = {

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _timing import data_dir  # benchmarks/_timing.py, beside this script
+from _timing import data_dir, plain_models  # benchmarks/_timing.py, beside this script
 
 
 def ours(args: argparse.Namespace) -> None:
@@ -98,19 +98,13 @@ def kvpress_side(args: argparse.Namespace) -> None:
     import kvpress
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM
 
     from contribution_weights.kv import get_method
     from contribution_weights.kv.presses import KVPRESS_VERSION, press
 
     transformers.utils.logging.disable_progress_bar()
     record = torch.load(args.ours, weights_only=False)
-    models = {
-        impl: AutoModelForCausalLM.from_pretrained(
-            record["model_dir"], dtype=torch.float32, attn_implementation=impl
-        ).eval()
-        for impl in ("eager", "sdpa")
-    }
+    models = plain_models(record["model_dir"])
     c = record["context"]
     report: dict[str, Any] = {
         "kvpress": getattr(kvpress, "__version__", KVPRESS_VERSION),
