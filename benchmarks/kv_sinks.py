@@ -16,7 +16,7 @@ and, from the prefill's last-64-query window, token 0's share of the attention
 
 The output keeps every item's row (``items``) and the paired differences of the three NLLs
 on the same items (``paired``: evicted − kept, zeroed − kept, evicted − zeroed; mean, s.e.,
-percentile-bootstrap 95% interval and the paired t-test's p).
+percentile-bootstrap 95% interval, the paired t-test's p and its Holm correction over the three).
 """
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ def _paired(rows: list[dict[str, float]]) -> dict[str, dict[str, float]]:
     interval, paired t-test p."""
     import numpy as np
 
-    from contribution_weights.experiments.paired import bootstrap_interval, t_test
+    from contribution_weights.experiments.paired import bootstrap_interval, holm, t_test
 
-    out = {}
+    out: dict[str, dict[str, float]] = {}
     for name, a, b in (("evicted_minus_kept", "nll_evicted", "nll_full"),
                        ("zeroed_minus_kept", "nll_zeroed", "nll_full"),
                        ("evicted_minus_zeroed", "nll_evicted", "nll_zeroed")):  # fmt: skip
@@ -63,6 +63,8 @@ def _paired(rows: list[dict[str, float]]) -> dict[str, dict[str, float]]:
         se = float(d.std(ddof=1) / np.sqrt(d.size)) if d.size > 1 else float("nan")
         out[name] = {"mean": float(d.mean()), "se": se, "ci_low": low, "ci_high": high,
                      "p": t_test(d)}  # fmt: skip
+    for entry, corrected in zip(out.values(), holm([e["p"] for e in out.values()]), strict=True):
+        entry["p_holm"] = float(corrected)  # Holm over the three differences
     return out
 
 
@@ -121,6 +123,8 @@ def main() -> int:
         )
         print(json.dumps(rows[-1]))
     summary = {k: statistics.mean(r[k] for r in rows) for k in rows[0]}
+    if len(rows) < 2:
+        raise SystemExit("--n must give at least 2 items for standard errors")
     sem = {k + "_se": statistics.stdev(r[k] for r in rows) / len(rows) ** 0.5 for k in rows[0]}
     result = {"model": model.name, "context": c, "n": len(rows), **summary, **sem,
               "paired": _paired(rows), "items": rows}  # fmt: skip

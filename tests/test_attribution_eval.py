@@ -211,3 +211,22 @@ def test_known_answer_runs_score_the_baselines_hits_and_add_them_on_resume(smoll
     pd.testing.assert_frame_equal(loaded.baseline_hits, result.baseline_hits, check_dtype=False)
     cw.plot(loaded, tmp_path / "attribution-eval.png")  # a hit-rate bar per pooled ranking
     assert (tmp_path / "attribution-eval.png").stat().st_size > 10_000
+
+
+def test_baseline_hits_cover_the_items_the_methods_have_and_saves_leave_no_stale_file(tmp_path):
+    """A baseline row of an item the first phase skipped is not counted, and saving a result
+    without baseline hits removes an earlier result's file instead of reading it back."""
+    methods = _hits([1, 0], [0, 0])
+    extra = AttributionEvalResult.frame(
+        [{"item": i, "kind": "hit", "measure": "recency", "rank": 2.0, "hit1": 0.0, "hit5": 1.0,
+          "rank_all": "", "tokens": 9, "rate": "", "value_full": "", "value": "", "delta": "",
+          "correct": "", "seconds": ""} for i in (0, 1, 2)]  # item 2: skipped by the methods
+    )  # fmt: skip
+    result = AttributionEvalResult(methods.rows, {}, None, extra)
+    assert sorted(result.hits[result.hits["measure"] == "recency"]["item"]) == [0, 1]
+    assert result.summary.set_index("measure").loc["recency", "n"] == 2
+    result.save(tmp_path)
+    assert (tmp_path / "baseline_hits.csv").is_file()
+    AttributionEvalResult(methods.rows, {}).save(tmp_path)
+    assert not (tmp_path / "baseline_hits.csv").exists()
+    assert AttributionEvalResult.load(tmp_path).baseline_hits.empty

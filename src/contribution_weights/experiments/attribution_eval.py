@@ -207,8 +207,9 @@ class AttributionEval(Experiment["AttributionEvalResult"]):
 
     def baseline_hits(self, index: int) -> list[dict[str, Any]]:
         """The baselines' hits on a known-answer item: the source's rank in each baseline's
-        order of the candidates, the orders the curves remove by (``rank_all`` is not
-        defined for them: token 0 has no place in their orders)."""
+        order of the candidates, the orders the curves remove by. Under sink protection
+        token 0 is not a candidate and has no place in their orders, so ``rank_all`` is
+        NaN; without it the candidates are every position and ``rank_all`` is ``rank``."""
         o, item = self.options, self.items[index]
         first = 1 if o.protect_first else 0
         candidates = torch.arange(first, item.position, dtype=torch.long)
@@ -220,7 +221,8 @@ class AttributionEval(Experiment["AttributionEvalResult"]):
             order = ranking_order(name, {}, candidates, index, o.seed).tolist()
             rank = 1 + min(order.index(s) for s in item.sources)
             rows.append({**base, "measure": name, "rank": float(rank), "hit1": float(rank == 1),
-                         "hit5": float(rank <= 5), "rank_all": math.nan})  # fmt: skip
+                         "hit5": float(rank <= 5),
+                         "rank_all": math.nan if o.protect_first else float(rank)})  # fmt: skip
         return [{c: row.get(c, "") for c in COLUMNS} for row in rows]
 
     def run(self, index: int) -> list[dict[str, Any]]:
@@ -345,17 +347,24 @@ class AttributionEvalResult(RowsResult):
                    cls.frame(read_csv(extra)) if extra.is_file() else None)  # fmt: skip
 
     def write_files(self, folder: Path) -> None:
+        path = Path(folder) / self.BASELINE_HITS
         if not self.baseline_hits.empty:
-            write_csv(Path(folder) / self.BASELINE_HITS, self.baseline_hits)
+            write_csv(path, self.baseline_hits)
+        else:  # nor an earlier result's file left behind to be read back
+            path.unlink(missing_ok=True)
         super().write_files(folder)
 
     @property
     def hits(self) -> pd.DataFrame:
-        """The methods' hit rows, then the baselines' (``random:SEED`` per seed)."""
+        """The methods' hit rows, then the baselines' (``random:SEED`` per seed) on the
+        same items (an item the first phase skipped has no baseline rows either)."""
         own = self.rows[self.rows["kind"] == "hit"] if not self.rows.empty else self.rows
         if self.baseline_hits.empty:
             return own
-        return pd.concat([own, self.baseline_hits], ignore_index=True)
+        extra = self.baseline_hits
+        if not own.empty:
+            extra = extra[extra["item"].isin(set(own["item"]))]
+        return pd.concat([own, extra], ignore_index=True)
 
     @property
     def curves(self) -> pd.DataFrame:
