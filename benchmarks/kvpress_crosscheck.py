@@ -26,7 +26,11 @@ For every method both libraries have and ratio, the report gives the largest sco
 difference (methods whose scores do not depend on the ratio), the fraction of our kept
 entries that kvpress keeps too, and both NLLs of the next 128 tokens. Five are defined
 alike on both sides (StreamingLLM, observed attention, SnapKV, TOVA, key norm) and KeyDiff
-too; three differ by design (:data:`DIFFERS`), and the report measures by how much.
+too; three differ by design, and the report measures by how much (docs/kv-cache.md says
+why): CriticalKV's stage 2 weighs by the L2 norm of W_O v (kvpress: L1); Expected
+Attention takes the query mean and covariance from the window's queries after RoPE
+(kvpress: every query but the sinks, before RoPE, turned by the mean rotation of the next
+512 positions); AdaKV rounds its safeguard up (kvpress: down).
 AdaKV needs kvpress's sdpa path (its attention patch masks the evicted keys per head), so
 that method runs on a second copy of the model with sdpa attention.
 """
@@ -54,14 +58,6 @@ SHARED_METHODS = {
 }
 # scores independent of the ratio, compared directly
 RATIO_FREE = {"observed_attention", "snapkv", "tova", "knorm", "keydiff", "expected_attention"}
-#: where our method is not kvpress's by design (docs/kv-cache.md says why)
-DIFFERS = {
-    "criticalkv": "stage 2 weighs by the L2 norm of W_O v (kvpress: L1)",
-    "expected_attention": "query mean and covariance from the window's queries after RoPE "
-    "(kvpress: every query but the sinks, before RoPE, turned by the mean rotation of the "
-    "next 512 positions)",
-    "adakv_snapkv": "the safeguard rounded up (kvpress: down)",
-}
 #: kvpress presses that need its sdpa path
 SDPA = {"adakv_snapkv"}
 

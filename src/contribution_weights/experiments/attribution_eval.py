@@ -211,19 +211,24 @@ class AttributionEval(Experiment["AttributionEvalResult"]):
         token 0 is not a candidate and has no place in their orders, so ``rank_all`` is
         NaN; without it the candidates are every position and ``rank_all`` is ``rank``."""
         o, item = self.options, self.items[index]
-        first = 1 if o.protect_first else 0
-        candidates = torch.arange(first, item.position, dtype=torch.long)
-        if candidates.numel() < 2:
-            raise SkipUnit("fewer than 2 candidate tokens")
+        candidates = self._candidates(item)
         base = {"item": index, "kind": "hit", "tokens": len(item.ids)}
         rows = []
         for name in self.baseline_rankings:
             order = ranking_order(name, {}, candidates, index, o.seed).tolist()
             rank = 1 + min(order.index(s) for s in item.sources)
-            rows.append({**base, "measure": name, "rank": float(rank), "hit1": float(rank == 1),
-                         "hit5": float(rank <= 5),
-                         "rank_all": math.nan if o.protect_first else float(rank)})  # fmt: skip
+            rank_all = math.nan if o.protect_first else rank
+            rows.append({**base, "measure": name, **_rank_fields(rank, rank_all)})
         return [{c: row.get(c, "") for c in COLUMNS} for row in rows]
+
+    def _candidates(self, item: Item) -> Tensor:
+        """The positions a ranking orders: every one before the target's, token 0 only
+        without sink protection (the curves' and the hits' candidates)."""
+        first = 1 if self.options.protect_first else 0
+        candidates = torch.arange(first, item.position, dtype=torch.long)
+        if candidates.numel() < 2:
+            raise SkipUnit("fewer than 2 candidate tokens")
+        return candidates
 
     def run(self, index: int) -> list[dict[str, Any]]:
         o = self.options
@@ -251,10 +256,7 @@ class AttributionEval(Experiment["AttributionEvalResult"]):
             scores[name] = out.scores[0].detach().double().cpu()
             rows.append({**base, "kind": "hit", "measure": name, "seconds": seconds,
                          **self._hits(scores[name], item, o.protect_first)})  # fmt: skip
-        first = 1 if o.protect_first else 0
-        candidates = torch.arange(first, item.position, dtype=torch.long)
-        if candidates.numel() < 2:
-            raise SkipUnit("fewer than 2 candidate tokens")
+        candidates = self._candidates(item)
         for how in o.interventions:
             for name in o.rankings():
                 order = ranking_order(name, scores, candidates, index, o.seed)
@@ -278,9 +280,7 @@ class AttributionEval(Experiment["AttributionEvalResult"]):
             order = sorted(range(first, item.position), key=lambda j: (-float(scores[j]), -j))
             return 1 + min(order.index(s) for s in item.sources)
 
-        rank = rank_among(1 if protect_first else 0)
-        return {"rank": float(rank), "hit1": float(rank == 1), "hit5": float(rank <= 5),
-                "rank_all": float(rank_among(0))}  # fmt: skip
+        return _rank_fields(rank_among(1 if protect_first else 0), rank_among(0))
 
     def phases(self) -> Iterator[Phase]:
         yield Phase(
@@ -355,10 +355,15 @@ class AttributionEvalResult(RowsResult):
         super().write_files(folder)
 
     @property
+    def _method_hits(self) -> pd.DataFrame:
+        """The methods' hit rows of ``rows.csv``."""
+        return self.rows[self.rows["kind"] == "hit"] if not self.rows.empty else self.rows
+
+    @property
     def hits(self) -> pd.DataFrame:
         """The methods' hit rows, then the baselines' (``random:SEED`` per seed) on the
         same items (an item the first phase skipped has no baseline rows either)."""
-        own = self.rows[self.rows["kind"] == "hit"] if not self.rows.empty else self.rows
+        own = self._method_hits
         if self.baseline_hits.empty:
             return own
         extra = self.baseline_hits
@@ -427,8 +432,7 @@ class AttributionEvalResult(RowsResult):
     def hits_paired(self) -> pd.DataFrame:
         """Flow's top-1 hits against every other method's on the same items: exact McNemar,
         Holm over the methods."""
-        h = self.rows[self.rows["kind"] == "hit"] if not self.rows.empty else self.rows
-        h = h.dropna(subset=["hit1"])  # the methods' (a baseline's hits are a floor)
+        h = self._method_hits.dropna(subset=["hit1"])  # a baseline's hits are a floor
         if h.empty or REFERENCE not in set(h["measure"]):
             return pd.DataFrame()
         table = h.pivot_table(index="item", columns="measure", values="hit1")
@@ -477,6 +481,13 @@ def attribution_eval(
     """Evaluate end-to-end attributions (module docstring); resumable with ``out``."""
     experiment = AttributionEval(model, texts, options or AttributionEvalOptions(), batch_size)
     return run_experiment(experiment, out, resume=resume)
+
+
+def _rank_fields(rank: int, rank_all: float) -> dict[str, float]:
+    """A hit row's fields from the source's rank among the candidates and among all
+    positions (NaN where not defined)."""
+    return {"rank": float(rank), "hit1": float(rank == 1), "hit5": float(rank <= 5),
+            "rank_all": float(rank_all)}  # fmt: skip
 
 
 def _pool_seeds(rows: pd.DataFrame, values: list[str], keys: Sequence[str] = ()) -> pd.DataFrame:
