@@ -199,6 +199,33 @@ def test_seconds_add_up_over_an_interrupted_session_and_its_resume(lm, tmp_path,
     assert res.per_sequence.seq.nunique() == 2
 
 
+@pytest.mark.parametrize("every, on_disk", [(0.0, True), (3600.0, False)])
+def test_a_running_session_keeps_its_seconds_on_disk_for_a_kill_it_cannot_catch(
+    lm, tmp_path, monkeypatch, every, on_disk
+):
+    from contribution_weights.experiments import faithfulness as faith_module
+    from contribution_weights.experiments import runner
+
+    monkeypatch.setattr(runner, "INFO_EVERY", every)
+    info_file = tmp_path / "r" / "run_info.json"
+    real = faith_module.sequence_rows
+    seen = []  # run_info.json as the second unit starts: what a SIGKILL there would leave
+
+    def second_looks(*a, **k):
+        seen.append(json.loads(info_file.read_text()) if info_file.exists() else None)
+        return real(*a, **k)
+
+    monkeypatch.setattr(faith_module, "sequence_rows", second_looks)
+    texts = ["the cat sat on the mat", "water boils at one hundred degrees"]
+    res = faithfulness(lm, texts, measures=["vw"], rates=[0.5], out=tmp_path / "r", progress=False)
+    assert seen[0] is None  # nothing before the first unit has finished
+    if on_disk:
+        assert seen[1]["finished"] is False and 0 <= seen[1]["seconds"] <= res.seconds
+    else:  # not rewritten more often than every INFO_EVERY seconds
+        assert seen[1] is None
+    assert json.loads(info_file.read_text())["finished"] is True
+
+
 def test_an_error_while_rendering_keeps_the_finished_run_info(lm, tmp_path, monkeypatch):
     from contribution_weights.experiments.faithfulness import FaithfulnessResult
 

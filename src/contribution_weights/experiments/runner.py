@@ -46,6 +46,10 @@ from ..runs import RunFolder
 PARTS = "parts"
 SKIPPED = "skipped.jsonl"
 RUN_INFO = "run_info.json"
+#: a running one-process session rewrites run_info.json (``finished: false``) at most this
+#: often, in seconds, so that one killed outright (SIGKILL, a machine restart), which writes
+#: nothing as it ends, still leaves its seconds for the resumed session to add to
+INFO_EVERY = 60.0
 
 
 class SkipUnit(Exception):
@@ -232,7 +236,8 @@ def _run(
     experiment: Experiment[R], folder: RunFolder, procs: Processes, progress: bool, keep: bool
 ) -> R:
     """Every phase, then run_info.json (whose ``seconds`` add up over resumed sessions: an
-    interrupted session writes it too, with ``finished: false``)."""
+    interrupted session writes it too, with ``finished: false``, and a running one every
+    :data:`INFO_EVERY` seconds, for a session killed without a chance to write it)."""
     started = time.perf_counter()
     earlier = earlier_seconds(folder) if keep else 0.0
     written: list[bool] = []  # set once the finished run_info is on disk
@@ -261,6 +266,7 @@ def _run_phases(
     files = _Files(folder, part)
     counts: dict[str, int] = {}
     rows: dict[str, list[dict[str, str]]] = {}
+    noted = started  # when run_info.json was last rewritten mid-run
     for phase in experiment.phases():
         if procs.main:
             _consolidate(folder, phase)
@@ -284,6 +290,9 @@ def _run_phases(
             for unit in mine:
                 _run_unit(files, phase, unit, keep)
                 bar_.update(1)
+                if keep and procs.world == 1 and time.perf_counter() - noted >= INFO_EVERY:
+                    folder.write_json(RUN_INFO, session_info(False, earlier, started))
+                    noted = time.perf_counter()
         finally:
             bar_.close()
             if phase.state is not None and not phase.save_state and keep:
