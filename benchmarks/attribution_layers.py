@@ -7,8 +7,17 @@ attribution of the answer's log-probability is split by where its terms come fro
 (``attribution.flow.layer_breakdown``: layer l's attention update and its feed-forward
 update, each carried down to the inputs; the parts sum to the attribution). Reported per
 layer and part, mean ± s.e. over items: the part of token 0's score (the first token, the
-usual sink) and of the source token's score (where the answer comes from). Writes a JSON
-and a figure.
+usual sink) and of the source token's score (where the answer comes from).
+
+Then where the source's share is kept or lost on its way down: the *copying layer* (the
+layer whose attention update at the target sends the largest direct term to the source
+position, ``attribution.flow.target_step``), the part of that layer's direct term that
+goes to the source position, and what the source position's state at the copying layer's
+input is made of once carried down to the input tokens (its own token, token 0, the
+others), with the residual share ρ of the source position at every layer below. And the
+ranking of the ``direct`` method (method §7.6: every layer's update at the target credited
+to the positions it read, one hop, nothing carried down), with the source's rank under
+it. Writes a JSON and a figure.
 """
 
 from __future__ import annotations
@@ -17,6 +26,44 @@ import argparse
 import json
 import math
 from pathlib import Path
+from typing import Any
+
+
+def source_hops(model: Any, fwd: Any, targets: list[Any], src: int, pos: int) -> dict[str, Any]:
+    """The copying layer, its direct term's share on the source, the source position's
+    state at that layer carried down to the tokens, and the one-hop (direct) rank."""
+    import torch
+
+    from contribution_weights.attribution.flow import (
+        mix,
+        propagate,
+        readout_directions,
+        target_step,
+    )
+
+    stop = pos + 1
+    dt = fwd.final_x.dtype
+    w, _ = readout_directions(model, fwd, targets)
+    direct = torch.stack([target_step(f, fwd, w, stop, dt, "attention")[0] for f in fwd.layers])
+    copying = int(direct[:, src].argmax())
+    r = torch.zeros(1, stop, dtype=dt)
+    r[0, src] = 1.0
+    kept = [1.0] * (copying + 1)  # kept[l]: the source's own share at layer l's input
+    for layer in range(copying - 1, -1, -1):
+        r = mix("flow", fwd.layers[layer], r, fwd.block_bytes)
+        kept[layer] = float(r[0, src])
+    one_hop = propagate(model, fwd, targets, rule="direct").scores[0]  # the `direct` method
+    others = torch.cat([one_hop[1:src], one_hop[src + 1 : pos]])
+    return {
+        "copying_layer": copying,
+        "copy_share_to_source": float(direct[copying, src] / direct[copying].sum()),
+        "source_state_on_source": float(r[0, src]),
+        "source_state_on_token0": float(r[0, 0]),
+        "source_state_on_others": float(1.0 - r[0, src] - r[0, 0]),
+        "source_self_share_by_layer": kept,
+        "source_rho_by_layer": [float(f.rho[src]) for f in fwd.layers],
+        "direct_rank": int((others > one_hop[src]).sum()) + 1,
+    }
 
 
 def main() -> int:
@@ -42,6 +89,8 @@ def main() -> int:
 
     model = cw.load_model(args.model)
     sink, source, ranks = [], [], []
+    hops: list[dict[str, Any]] = []
+    flow_ranks: list[int] = []  # the source's rank among positions 1 … p − 1 (token 0 out)
     for index in range(args.n):
         item = make_item(args.task, model.tokenizer, index, args.seed, args.tokens)
         ids = torch.tensor(item.ids)
@@ -53,7 +102,14 @@ def main() -> int:
         source.append(parts[:, src].tolist())
         total = parts.sum(0)
         ranks.append(int((total[: item.position] > total[src]).sum()) + 1)
-        print(f"item {index}: token 0 {float(total[0]):+.3f}, source {float(total[src]):+.3f}")
+        hop = source_hops(model, fwd, targets, src, item.position)
+        hops.append(hop)
+        others = torch.cat([total[1:src], total[src + 1 : item.position]])
+        flow_ranks.append(int((others > total[src]).sum()) + 1)
+        print(f"item {index}: token 0 {float(total[0]):+.3f}, source {float(total[src]):+.3f}; "
+              f"copying layer {hop['copying_layer']} sends {hop['copy_share_to_source']:.2f} of "
+              f"its direct term to the source, whose state there keeps "
+              f"{hop['source_state_on_source']:.3f} on its own token")  # fmt: skip
 
     def stats(rows: list[list[float]]) -> tuple[list[float], list[float]]:
         t = torch.tensor(rows)
@@ -74,11 +130,15 @@ def main() -> int:
         "source_rank_all": ranks,
         "token0_total": [sum(r) for r in sink],
         "source_total": [sum(r) for r in source],
+        "source_hops": hops,
+        "direct_top1": sum(h["direct_rank"] == 1 for h in hops) / len(hops),
+        "source_rank": flow_ranks,
+        "flow_top1": sum(r == 1 for r in flow_ranks) / len(hops),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"attribution-layers-{model.name}-{args.task}"
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
-    fig, ax = plt.subplots(figsize=(8, 3.6))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 3.8), width_ratios=[3, 2])
     xs = list(range(layers))
     for name, mean, se, marker in (
         ("token 0", sink_mean, sink_se, "o"),
@@ -97,6 +157,20 @@ def main() -> int:
                  "which layers score token 0 and the source", fontsize=9)  # fmt: skip
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
+    # the source position's state at its copying layer, carried down: what stays on its token
+    kept = [[h["source_self_share_by_layer"][x] for h in hops
+             if x < len(h["source_self_share_by_layer"])] for x in xs]  # fmt: skip
+    ax2.plot([x for x in xs if kept[x]], [sum(k) / len(k) for k in kept if k], marker="s",
+             markersize=3, label="source state's share still on the source token")  # fmt: skip
+    rho = [sum(h["source_rho_by_layer"][x] for h in hops) / len(hops) for x in xs]
+    ax2.plot(
+        xs, rho, marker="o", markersize=3, linestyle=":", label="ρ at the source (residual share)"
+    )
+    ax2.set_ylim(0, 1.1)
+    ax2.set_xlabel("layer (input of)")
+    ax2.set_title("the source position's own share, from its copying layer down", fontsize=9)
+    ax2.legend(fontsize=8)
+    ax2.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(args.out / f"{stem}.png", dpi=120)
     print(f"wrote {args.out}/{stem}.json and .png")

@@ -357,8 +357,11 @@ class Attribution:
     explained: float  # ⟨w, x_p^L⟩ + c
 
 
-def attribution(run: Run, position: int, w: Tensor, const: float) -> Attribution:
-    """Method §7.3 summed term by term:
+def attribution(
+    run: Run, position: int, w: Tensor, const: float, composed: bool = True
+) -> Attribution:
+    """Method §7.3 summed term by term (``composed=False``: §7.6's direct rule, every
+    flow F^l the identity):
 
     a_k = ⟨w, x_p^0⟩ δ_pk + Σ_l [ Σ_j D_j^l F_jk^l + μ^l (A^l F^l)_pk ],
 
@@ -370,6 +373,9 @@ def attribution(run: Run, position: int, w: Tensor, const: float) -> Attribution
     p = position
     t = run.x0.shape[0]
     flows, hats = run.flows(), run.augmented_flows()
+    if not composed:
+        flows = [torch.eye(t, dtype=F64) for _ in flows]
+        hats = [torch.eye(t + 1, dtype=F64) for _ in hats]
     scores = torch.zeros(t, dtype=F64)
     scores[p] += w @ run.x0[p]
     bias = const
@@ -390,10 +396,15 @@ def attribution(run: Run, position: int, w: Tensor, const: float) -> Attribution
 
 
 def target_attribution(
-    run: Run, position: int, quantity: str, token: int, foil: int | None = None
+    run: Run,
+    position: int,
+    quantity: str,
+    token: int,
+    foil: int | None = None,
+    composed: bool = True,
 ) -> Attribution:
     w, const = readout(run, position, quantity, token, foil)
-    return attribution(run, position, w, const)
+    return attribution(run, position, w, const, composed)
 
 
 # ---- method §7.5: the baselines --------------------------------------------------------------

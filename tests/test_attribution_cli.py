@@ -83,6 +83,20 @@ def test_api_keywords_and_targets():
     assert "flow" in a.summary() and a.top(3)[0][0] in range(6)
 
 
+def test_direct_method_through_the_api():
+    """``direct`` (alias ``one_hop``) runs beside flow from the same kind of forward, its
+    scores decompose the same logit, and a pure flow target is refused."""
+    model = tiny_model("qwen3", dtype=torch.float64)
+    ids = torch.randint(3, 90, (12,))
+    a = cw.attribute(model, ids, methods="flow,one_hop", target=5, quantity="logit")
+    assert a.methods == ["flow", "direct"]
+    assert a["direct"].sum().item() == pytest.approx(a.values[0], abs=1e-5)
+    assert (a["direct"][0, 6:] == 0).all()
+    assert not torch.allclose(a["direct"], a["flow"])
+    with pytest.raises(TargetError, match="direct method explains a scalar"):
+        cw.attribute(model, ids, methods="direct", quantity="flow")
+
+
 def test_flow_alone_runs_one_forward():
     """The flow's own forward resolves the targets: no second forward for the logits."""
     model = tiny_model("llama")

@@ -305,6 +305,45 @@ def test_baselines_refuse_projected_targets():
             library(loaded, target("logit"), rule=rule)
 
 
+# ---- 4b. the direct rule (§7.6): no composition ------------------------------------------
+@pytest.mark.parametrize("quantity", ["logit", "logprob", "contrast"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_direct_equals_naive(family, quantity):
+    """Every update at the target credited to the positions it read, nothing composed: the
+    reference's §7.3 sum with every flow F^l replaced by the identity; and, like flow, the
+    scores and what the biases receive add up to the explained value."""
+    loaded = model_for(family)
+    run = eager_flow_run(loaded.model, IDS)
+    out = library(loaded, target(quantity), rule="direct")
+    t = out.targets[0]
+    assert t.token is not None
+    expected = target_attribution(run, t.position, t.quantity, t.token, t.foil, composed=False)
+    assert_scores(out.scores[0], expected.scores, f"{family} {quantity} direct")
+    scale = float(out.scores[0].abs().sum())
+    assert abs(float(out.remainder[0]) - expected.bias) <= REL_TOL * scale
+    composed = library(loaded, target(quantity))
+    assert abs(float(out.explained[0]) - float(composed.explained[0])) <= REL_TOL * scale
+    # with more than one layer the composition moves the scores: the two rules differ
+    assert float((out.scores[0] - composed.scores[0]).abs().max()) > 1e-3 * scale
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_direct_is_flow_with_one_layer(family):
+    """With one layer there is nothing below the target's layer to compose."""
+    loaded = one_layer_model(family)
+    direct = library(loaded, target("logit"), rule="direct")
+    flow = library(loaded, target("logit"))
+    assert_scores(direct.scores[0], flow.scores[0].to(F64), f"{family} one layer")
+
+
+def test_direct_refuses_pure_flow_targets():
+    loaded = model_for("llama")
+    with pytest.raises(ValueError, match="pure flow target"):
+        library(loaded, target("flow"), rule="direct")
+    with pytest.raises(ValueError, match="unknown rule"):
+        library(loaded, target("logit"), rule="directly")
+
+
 # ---- 5. several targets at once ------------------------------------------------------------
 @pytest.mark.parametrize("quantity", QUANTITIES)
 @pytest.mark.parametrize("family", FAMILIES)

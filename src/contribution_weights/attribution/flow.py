@@ -11,6 +11,8 @@ visited.
 
 The same pass composes other per-layer mixing rules (:class:`Rule`): the projection shares
 of method §7.1 (``flow``), attention rollout and an ALTI-style rollout on L1 distances.
+With ``rule="direct"`` nothing is composed (method §7.6): each layer's update at the target
+is credited to the positions it read, and a position's state is not decomposed further.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ from .targets import Target, resolve, target_values
 
 Rule = Literal["flow", "rollout", "alti"]
 RULES: tuple[str, ...] = ("flow", "rollout", "alti")
+#: propagate's rules: the mixing rules, and ``direct`` (no mixing: every update at the
+#: target credited to the positions it read, one hop; projected targets only)
+PROPAGATION_RULES: tuple[str, ...] = (*RULES, "direct")
 
 
 @dataclass
@@ -434,7 +439,7 @@ def _alti_mix(f: LayerFactors, r: Tensor, block_bytes: int) -> Tensor:
     return out
 
 
-def _target_step(
+def target_step(
     f: LayerFactors,
     fwd: FlowForward,
     w: Tensor,
@@ -484,10 +489,17 @@ def propagate(
     device = fwd.final_x.device
     values = target_values(fwd.logits, targets)
     projected = torch.tensor([t.projected for t in targets], device=device)
-    if bool(projected.any()) and rule != "flow":
+    if rule not in PROPAGATION_RULES:
+        raise ValueError(f"unknown rule {rule!r}; choose one of {', '.join(PROPAGATION_RULES)}")
+    if bool(projected.any()) and rule not in ("flow", "direct"):
         raise ValueError(
             f"the {rule} rule is a pure flow: it has no projection on a target; "
             "use quantity='flow' with it"
+        )
+    if rule == "direct" and not bool(projected.all()):
+        raise ValueError(
+            "the direct rule credits the updates of a projected target (logprob, logit, "
+            "contrast); a pure flow target has none"
         )
     w, const = readout_directions(model, fwd, targets)
     rows = torch.arange(n, device=device)
@@ -499,9 +511,10 @@ def propagate(
         f = fwd.layers[idx]
         if keep_rows:
             layer_rows.append(r.clone())
-        r = mix(rule, f, r, fwd.block_bytes)
+        if rule != "direct":
+            r = mix(rule, f, r, fwd.block_bytes)
         if bool(projected.any()):
-            r = r + _target_step(f, fwd, w, stop, dt) * projected[:, None].to(dt)
+            r = r + target_step(f, fwd, w, stop, dt) * projected[:, None].to(dt)
         if progress is not None:
             progress(1)
     embed = (w * fwd.x0_rows).sum(-1)
@@ -600,8 +613,8 @@ def layer_breakdown(
         f = fwd.layers[idx]
         if step:
             r[: 2 * step] = mix("flow", f, r[: 2 * step], fwd.block_bytes)
-        r[2 * step] = _target_step(f, fwd, w, stop, dt, "attention")[k]
-        r[2 * step + 1] = _target_step(f, fwd, w, stop, dt, "feed_forward")[k]
+        r[2 * step] = target_step(f, fwd, w, stop, dt, "attention")[k]
+        r[2 * step + 1] = target_step(f, fwd, w, stop, dt, "feed_forward")[k]
     by_origin = r.view(num_layers, 2, stop).flip(0)  # layer 0 first
     p = int(fwd.positions[k])
     embed = torch.zeros(1, stop, dtype=dt, device=r.device)

@@ -62,6 +62,15 @@ for _method in (
         reports_logits=True,
     ),
     AttributionMethod(
+        "direct",
+        ".run:direct_method",
+        "direct effects by source position: every layer's update at the target credited to "
+        "the positions it read, one hop, not composed; projected on the target (method §7.6)",
+        cost="flow's forward, no composition",
+        aliases=("one_hop",),
+        reports_logits=True,
+    ),
+    AttributionMethod(
         "rollout",
         ".run:rollout_method",
         "attention rollout (Abnar & Zuidema 2020): head-mean attention with ½ identity, "

@@ -54,7 +54,9 @@ def _flow_rule(rule: str) -> MethodFunction:
         model: LoadedModel, ids: Tensor, targets: list[Target], options: AttributeOptions
     ) -> MethodOutput:
         dtype = _DTYPES[options.compute_dtype]
-        if rule != "flow":  # pure flows: the position's final state, whatever the token
+        if rule == "direct":
+            _scalar_only(targets, "the direct method")
+        elif rule != "flow":  # pure flows: the position's final state, whatever the token
             targets = [replace(t, quantity="flow", foil=None) for t in targets]
         fwd, resolved = forward_factors(
             model, ids, targets, dtype=dtype, keep_states=rule == "alti"
@@ -70,6 +72,7 @@ def _flow_rule(rule: str) -> MethodFunction:
 flow_method = _flow_rule("flow")
 rollout_method = _flow_rule("rollout")
 alti_method = _flow_rule("alti")
+direct_method = _flow_rule("direct")
 
 
 def value_zeroing_method(
