@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 
-def source_hops(model: Any, fwd: Any, targets: list[Any], src: int, pos: int) -> dict[str, Any]:
+def source_hops(model: Any, fwd: Any, targets: list[Any], item: Any) -> dict[str, Any]:
     """The copying layer, its direct term's share on the source, the source position's
     state at that layer carried down to the tokens, and the one-hop (direct) rank."""
     import torch
@@ -45,8 +45,10 @@ def source_hops(model: Any, fwd: Any, targets: list[Any], src: int, pos: int) ->
         readout_directions,
         target_step,
     )
+    from contribution_weights.experiments.attribution_eval import AttributionEval
 
-    stop = pos + 1
+    src = item.sources[0]
+    stop = item.position + 1
     dt = fwd.final_x.dtype
     w, _ = readout_directions(model, fwd, targets)
     direct = torch.stack([target_step(f, fwd, w, stop, dt, "attention")[0] for f in fwd.layers])
@@ -58,7 +60,6 @@ def source_hops(model: Any, fwd: Any, targets: list[Any], src: int, pos: int) ->
         r = mix("flow", fwd.layers[layer], r, fwd.block_bytes)
         kept[layer] = float(r[0, src])
     one_hop = propagate(model, fwd, targets, rule="direct").scores[0]  # the `direct` method
-    others = torch.cat([one_hop[1:src], one_hop[src + 1 : pos]])
     return {
         "copying_layer": copying,
         "copy_share_to_source": float(direct[copying, src] / direct[copying].sum()),
@@ -80,7 +81,8 @@ def source_hops(model: Any, fwd: Any, targets: list[Any], src: int, pos: int) ->
         "source_token0_share_by_layer": [
             float(head_rows(f, src, src + 1, dt)[0][:, 0].sum()) for f in fwd.layers
         ],
-        "direct_rank": int((others > one_hop[src]).sum()) + 1,
+        # ranked as attribution-eval ranks a method's hits (token 0 out, ties: later first)
+        "direct_rank": int(AttributionEval._hits(one_hop, item, True)["rank"]),
     }
 
 
@@ -137,6 +139,7 @@ def main() -> int:
     from contribution_weights.attribution.flow import forward_factors, layer_breakdown
     from contribution_weights.attribution.targets import Target
     from contribution_weights.attribution.tasks import make_item
+    from contribution_weights.experiments.attribution_eval import AttributionEval
 
     model = cw.load_model(args.model)
     sink, source, ranks = [], [], []
@@ -152,11 +155,11 @@ def main() -> int:
         sink.append(parts[:, 0].tolist())
         source.append(parts[:, src].tolist())
         total = parts.sum(0)
-        ranks.append(int((total[: item.position] > total[src]).sum()) + 1)
-        hop = source_hops(model, fwd, targets, src, item.position)
+        hits = AttributionEval._hits(total, item, True)  # the eval's ranks of flow's scores
+        ranks.append(int(hits["rank_all"]))
+        flow_ranks.append(int(hits["rank"]))
+        hop = source_hops(model, fwd, targets, item)
         hops.append(hop)
-        others = torch.cat([total[1:src], total[src + 1 : item.position]])
-        flow_ranks.append(int((others > total[src]).sum()) + 1)
         print(f"item {index}: token 0 {float(total[0]):+.3f}, source {float(total[src]):+.3f}; "
               f"copying layer {hop['copying_layer']} sends {hop['copy_share_to_source']:.2f} of "
               f"its direct term to the source, whose state there keeps "
