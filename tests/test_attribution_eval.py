@@ -3,6 +3,7 @@ its statistics."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pandas as pd
@@ -230,3 +231,84 @@ def test_baseline_hits_cover_the_items_the_methods_have_and_saves_leave_no_stale
     AttributionEvalResult(methods.rows, {}).save(tmp_path)
     assert not (tmp_path / "baseline_hits.csv").exists()
     assert AttributionEvalResult.load(tmp_path).baseline_hits.empty
+
+
+def test_a_method_added_to_a_finished_run_equals_one_run_from_the_start(tmp_path):
+    """``--add-methods`` on ``--resume`` scores only the new method, in a phase of its own
+    (``added-{method}.csv``), leaves the run's rows as they were, and gives the rows a run
+    with the method from the start gives; the run stays extended on a later resume, and a
+    second method comes after the first."""
+    model = tiny_model("llama")
+    texts = ["abcdefghijklmnopqrstuvwxyz" * 2, "the quick brown fox jumps over the lazy dog"]
+    common = {"task": "deletion", "n": 2, "tokens": 20, "rates": [0.2, 0.5]}
+    first = AttributionEvalOptions(methods="flow", **common)
+    run = tmp_path / "run"
+    attribution_eval(model, texts, options=first, out=run)
+    own = (run / "rows.csv").read_text()
+    added = AttributionEvalOptions(methods="flow", added_methods="direct", **common)
+    result = attribution_eval(model, texts, options=added, out=run, resume=True)
+    assert (run / "rows.csv").read_text() == own
+    assert json.loads((run / "config.json").read_text())["added_methods"] == ["direct"]
+    assert set(result.added["measure"]) == {"direct"} and set(result.rows["measure"]) >= {"flow"}
+    assert "direct" not in set(result.rows["measure"])
+    both = AttributionEvalOptions(methods="flow,direct", **common)
+    whole = attribution_eval(model, texts, options=both, out=tmp_path / "whole")
+    key = ["item", "kind", "measure", "intervention", "mode", "rate"]
+    mine = result.all_rows[result.all_rows["measure"] == "direct"].sort_values(key)
+    theirs = whole.rows[whole.rows["measure"] == "direct"].sort_values(key)
+    for column in ("delta", "value", "value_full"):
+        assert mine[column].tolist() == pytest.approx(theirs[column].tolist(), nan_ok=True)
+    summary = result.summary.set_index("measure")
+    assert {"flow", "direct", "random", "recency"} <= set(summary.index)
+    paired = result.paired()
+    assert set(paired["reference"]) == {"flow", "direct"}
+    direct = paired[paired["reference"] == "direct"]
+    assert "flow" not in set(direct["other"])  # flow - direct is reported once, under flow
+    assert set(direct["other"]) == {"random", "recency"}
+    # a later resume without --add-methods keeps the method and recomputes nothing
+    before = (run / "added-direct.csv").read_text()
+    again = attribution_eval(model, texts, options=first, out=run, resume=True)
+    assert (run / "added-direct.csv").read_text() == before
+    pd.testing.assert_frame_equal(again.summary, result.summary)
+    more = AttributionEvalOptions(methods="flow", added_methods="input_x_gradient", **common)
+    attribution_eval(model, texts, options=more, out=run, resume=True)
+    config = json.loads((run / "config.json").read_text())
+    assert config["added_methods"] == ["direct", "input_x_gradient"]
+    loaded = AttributionEvalResult.load(run)
+    assert set(loaded.added["measure"]) == {"direct", "input_x_gradient"}
+    assert (run / "added-input_x_gradient.csv").is_file()
+
+
+def test_adding_a_method_the_run_has_or_with_other_options_is_refused(tmp_path):
+    from contribution_weights.runs import RunFolderError
+
+    with pytest.raises(ValueError, match="already among --methods"):
+        AttributionEvalOptions(methods="flow,direct", added_methods="direct")
+    model = tiny_model("llama")
+    texts = ["abcdefghijklmnopqrstuvwxyz" * 2, "the quick brown fox jumps over the lazy dog"]
+    common = {"task": "deletion", "n": 2, "tokens": 20, "rates": [0.5]}
+    attribution_eval(model, texts, options=AttributionEvalOptions(methods="flow", **common),
+                     out=tmp_path)  # fmt: skip
+    other = AttributionEvalOptions(methods="flow", added_methods="direct", seed=1, **common)
+    with pytest.raises(RunFolderError, match="seed"):
+        attribution_eval(model, texts, options=other, out=tmp_path, resume=True)
+    assert "direct" not in (tmp_path / "config.json").read_text()
+
+
+def test_top1_hits_are_compared_with_flow_and_with_direct_each_pair_once():
+    rows = []
+    hits = {"flow": [1, 0, 0, 0], "direct": [1, 1, 1, 1], "input_x_gradient": [0, 0, 1, 0]}
+    for name, column in hits.items():
+        for i, hit in enumerate(column):
+            rows.append({"item": i, "kind": "hit", "measure": name, "hit1": hit, "hit5": 1,
+                         "rank": 1 if hit else 3, "rank_all": 1 if hit else 3, "tokens": 9,
+                         "seconds": 0.1})  # fmt: skip
+    from contribution_weights.experiments.attribution_eval import COLUMNS
+
+    rows = [{c: row.get(c, "") for c in COLUMNS} for row in rows]
+    table = AttributionEvalResult(AttributionEvalResult.frame(rows), {}).hits_paired()
+    pairs = list(zip(table["reference"], table["other"], strict=True))
+    assert pairs == [("flow", "direct"), ("flow", "input_x_gradient"),
+                     ("direct", "input_x_gradient")]  # fmt: skip
+    row = table.iloc[2]
+    assert (row["b"], row["c"], row["reference_top1"]) == (3, 0, 1.0)

@@ -250,3 +250,23 @@ def test_a_run_where_every_unit_was_skipped_exits_1_without_a_table(
     captured = capsys.readouterr()
     assert "Empty DataFrame" not in captured.out and "skipped 1 units" in captured.out
     assert "no result: no unit could run" in captured.err
+
+
+def test_an_extendable_key_may_grow_on_resume_and_nothing_else(tmp_path):
+    """A list named extendable may gain entries at its end (the folder's config is
+    rewritten with them); another order, a removed entry or another key is refused."""
+    from contribution_weights.runs import RunFolder, RunFolderError
+
+    config = {"experiment": "x", "n": 2, "added": ["a"]}
+    RunFolder(tmp_path, config)
+    grown = {**config, "added": ["a", "b"]}
+    RunFolder.check(tmp_path, grown, resume=True, extendable=("added",))
+    with pytest.raises(RunFolderError, match="added"):
+        RunFolder.check(tmp_path, grown, resume=True)  # not extendable
+    for bad in (["b", "a"], [], ["b"]):
+        with pytest.raises(RunFolderError, match="added"):
+            RunFolder.check(tmp_path, {**config, "added": bad}, resume=True, extendable=("added",))
+    with pytest.raises(RunFolderError, match="n"):
+        RunFolder.check(tmp_path, {**grown, "n": 3}, resume=True, extendable=("added",))
+    RunFolder(tmp_path, grown, resume=True, extendable=("added",))
+    assert json.loads((tmp_path / "config.json").read_text())["added"] == ["a", "b"]

@@ -70,6 +70,7 @@ ADDED: dict[str, dict[str, Any]] = {
     "faithfulness": {"intervention": "value_zero", "baselines": [], "random_seeds": 3},
     "downstream": {"intervention": "value_zero", "baselines": [], "random_seeds": 3},
     "kv-eval": {"ruler_tasks": "all", "settings": ["query_agnostic"]},
+    "attribution-eval": {"added_methods": []},
 }
 
 
@@ -109,12 +110,16 @@ class RunFolder:
         config: Mapping[str, Any],
         resume: bool = False,
         older: Mapping[str, tuple[str, Any]] | None = None,
+        extendable: Sequence[str] = (),
     ):
         self.path = Path(path)
         self.config = dict(config)
         cfg_file = self.path / "config.json"
         if cfg_file.exists():
-            RunFolder.check(self.path, self.config, resume, older)
+            RunFolder.check(self.path, self.config, resume, older, extendable)
+            held = RunFolder.held_config(self.path) or {}
+            if any(held.get(k) != self.config.get(k) for k in extendable):
+                self.write_json("config.json", self.config, indent_sort=True)  # extended
             self.drop_partial_lines()
         else:
             self.path.mkdir(parents=True, exist_ok=True)
@@ -126,6 +131,7 @@ class RunFolder:
         config: Mapping[str, Any],
         resume: bool = False,
         older: Mapping[str, tuple[str, Any]] | None = None,
+        extendable: Sequence[str] = (),
     ) -> None:
         """Refuse (with :class:`RunFolderError`) to reuse ``path`` for ``config``, reading only.
 
@@ -133,12 +139,14 @@ class RunFolder:
         differ are named. Keys in :data:`INFORMATIONAL` (where the texts came from, as
         spelled) are not compared: the inputs are compared by their content's fingerprint.
         ``older`` maps a key older folders hold to ``(the key it became, this run's value
-        under the old key)``, so a folder written before the rename still resumes.
+        under the old key)``, so a folder written before the rename still resumes. A key in
+        ``extendable`` (a list) may have grown: the folder's list must be where the new
+        one starts (what a run adds later, such as methods added to a finished run).
         """
         path = Path(path)
         if not holds_run(path, resume):
             return
-        old = upgraded_config(json.loads((path / "config.json").read_text()))
+        old = RunFolder.held_config(path) or {}
         config = dict(config)
         for old_key, (new_key, value) in (older or {}).items():
             if old_key in old and new_key not in old:
@@ -147,7 +155,9 @@ class RunFolder:
         diff = sorted(
             k
             for k in set(old) | set(config)
-            if k not in INFORMATIONAL and old.get(k) != config.get(k)
+            if k not in INFORMATIONAL
+            and old.get(k) != config.get(k)
+            and not (k in extendable and _extends(config.get(k), old.get(k)))
         )
         if diff:
             shown = "; ".join(
@@ -159,6 +169,14 @@ class RunFolder:
                 f"cannot resume {path}: its config differs in {', '.join(diff)} ({shown}"
                 f"{more}); rerun with the same options or choose another --out folder"
             )
+
+    @staticmethod
+    def held_config(path: str | Path) -> dict[str, Any] | None:
+        """The config of the run ``path`` holds (older option names upgraded), or None."""
+        target = Path(path) / "config.json"
+        if not target.is_file():
+            return None
+        return upgraded_config(json.loads(target.read_text()))
 
     @classmethod
     def existing(cls, path: str | Path, config: Mapping[str, Any]) -> RunFolder:
@@ -276,6 +294,12 @@ def _drop_partial_last_line(target: Path) -> None:
     data = target.read_bytes()
     if data and not data.endswith(b"\n"):
         target.write_bytes(data[: data.rfind(b"\n") + 1])
+
+
+def _extends(new: Any, old: Any) -> bool:
+    """Whether the list ``new`` is the list ``old`` with entries appended (or the same)."""
+    old = [] if old is None else old
+    return isinstance(new, list) and isinstance(old, list) and new[: len(old)] == old
 
 
 def _short(value: Any, width: int = 60) -> str:

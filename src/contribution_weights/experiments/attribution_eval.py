@@ -22,12 +22,16 @@ Rows go to ``rows.csv`` (kind ``hit`` per method, kind ``curve`` per ranking,
 intervention, mode and rate); on known-answer tasks the baselines' hits (the same ranks,
 by the random and recency orders the curves use) go to ``baseline_hits.csv`` in a second
 phase, which needs no forward pass: ``--resume`` on a run made before it existed adds them
-in seconds. The summary and the paired statistics (flow against every other ranking:
-bootstrap intervals, Holm; McNemar on top-1 hits) are computed from them.
+in seconds. A method added to a run later (``--add-methods`` with ``--resume``: the run
+need not be rerun for a new method, and the new one is paired with the old ones on the
+same items) has a phase of its own, its hit and curve rows in ``added-{method}.csv``. The
+summary and the paired statistics (flow, and ``direct`` where it ran, against every other
+ranking: bootstrap intervals, Holm; McNemar on top-1 hits) are computed from them all.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -52,6 +56,8 @@ from .runner import Experiment, Phase, SkipUnit, run_experiment
 
 MODES = ("comprehensiveness", "sufficiency", "insertion")
 REFERENCE = "flow"
+#: the methods each paired against every other ranking that ran (one Holm family each)
+REFERENCES = (REFERENCE, "direct")
 #: numeric columns (blank cells read back as NaN); item and tokens are ints
 NUMBERS = (
     "rate", "value_full", "value", "delta", "rank", "hit1", "hit5", "rank_all", "correct",
@@ -152,6 +158,7 @@ class Editor:
 
 class AttributionEval(Experiment["AttributionEvalResult"]):
     name = "attribution-eval"
+    extendable = ("added_methods",)
 
     def __init__(
         self,
@@ -186,6 +193,12 @@ class AttributionEval(Experiment["AttributionEvalResult"]):
             )
         return items
 
+    def adopt(self, held: dict[str, Any]) -> None:
+        """The methods added to the run before stay added; new ones come after them."""
+        earlier = list(held.get("added_methods") or [])
+        given = self.options.added_methods
+        self.options.added_methods = earlier + [m for m in given if m not in earlier]
+
     def config(self) -> dict[str, Any]:
         return {
             "experiment": self.name,
@@ -196,9 +209,11 @@ class AttributionEval(Experiment["AttributionEvalResult"]):
 
     @property
     def rows_per_unit(self) -> int:
-        o = self.options
-        curves = len(o.rankings()) * len(o.interventions) * len(MODES) * len(o.rates)
-        return len(o.methods) + curves
+        return len(self.options.methods) + len(self.options.rankings()) * self._curves_per_ranking
+
+    @property
+    def _curves_per_ranking(self) -> int:
+        return len(self.options.interventions) * len(MODES) * len(self.options.rates)
 
     @property
     def baseline_rankings(self) -> list[str]:
@@ -231,6 +246,16 @@ class AttributionEval(Experiment["AttributionEvalResult"]):
         return candidates
 
     def run(self, index: int) -> list[dict[str, Any]]:
+        """One item: every method's scores and hits, then every ranking's curves."""
+        return self._unit(index, self.options.methods, self.options.rankings())
+
+    def run_added(self, method: str, index: int) -> list[dict[str, Any]]:
+        """One item for a method added to the run: its hits and its own curves (the
+        baselines' and the run's methods' are in ``rows.csv`` already)."""
+        return self._unit(index, [method], [method])
+
+    def _unit(self, index: int, methods: Sequence[str], rankings: Sequence[str]
+              ) -> list[dict[str, Any]]:  # fmt: skip
         o = self.options
         item = self.items[index]
         ids = torch.tensor(item.ids, dtype=torch.long)
@@ -249,7 +274,7 @@ class AttributionEval(Experiment["AttributionEvalResult"]):
         base = {"item": index, "value_full": full, "correct": correct, "tokens": t}
         rows: list[dict[str, Any]] = []
         scores: dict[str, Tensor] = {}
-        for name in o.methods:
+        for name in methods:
             start = time.perf_counter()
             out = method_function(name)(self.model, ids, [target], self.attribute_options)
             seconds = time.perf_counter() - start
@@ -258,7 +283,7 @@ class AttributionEval(Experiment["AttributionEvalResult"]):
                          **self._hits(scores[name], item, o.protect_first)})  # fmt: skip
         candidates = self._candidates(item)
         for how in o.interventions:
-            for name in o.rankings():
+            for name in rankings:
                 order = ranking_order(name, scores, candidates, index, o.seed)
                 sets = removal_sets(order, o.rates)
                 values = self.editor.values(ids, item.answer, [s for _, _, s in sets], how)
@@ -300,6 +325,15 @@ class AttributionEval(Experiment["AttributionEvalResult"]):
                 key="item",
                 rows_per_unit=len(self.baseline_rankings),
             )
+        for method in self.options.added_methods:
+            yield Phase(
+                f"added {method}",
+                range(len(self.items)),
+                functools.partial(self.run_added, method),
+                rows_file=added_file(method),
+                key="item",
+                rows_per_unit=1 + self._curves_per_ranking,
+            )
 
     def result(
         self, rows: Mapping[str, Sequence[Mapping[str, Any]]], run_info: dict[str, Any]
@@ -307,8 +341,16 @@ class AttributionEval(Experiment["AttributionEvalResult"]):
         return AttributionEvalResult.from_rows(rows, self.config(), run_info)
 
 
+def added_file(method: str) -> str:
+    """The rows file of a method added to a run after it was made."""
+    return f"added-{method}.csv"
+
+
 class AttributionEvalResult(RowsResult):
-    """Rows of an attribution evaluation, its summary and paired statistics."""
+    """Rows of an attribution evaluation, its summary and paired statistics.
+
+    ``rows`` are the run's own (``rows.csv``), ``added`` the rows of the methods added to
+    it later (``added-{method}.csv``); the tables read both (:attr:`all_rows`)."""
 
     ROWS: ClassVar[str] = "rows.csv"
     #: the baselines' hits on known-answer tasks (the runner's second phase)
@@ -320,9 +362,17 @@ class AttributionEvalResult(RowsResult):
         config: dict[str, Any],
         run_info: dict[str, Any] | None = None,
         baseline_hits: pd.DataFrame | None = None,
+        added: pd.DataFrame | None = None,
     ) -> None:
         self.baseline_hits = self.frame([]) if baseline_hits is None else baseline_hits
+        self.added = self.frame([]) if added is None else added
+        self.all_rows = rows if self.added.empty else pd.concat([rows, self.added],
+                                                                ignore_index=True)  # fmt: skip
         super().__init__(rows, config, run_info)
+
+    @staticmethod
+    def added_methods(config: Mapping[str, Any]) -> list[str]:
+        return list(config.get("added_methods") or [])
 
     @classmethod
     def frame(cls, rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
@@ -335,16 +385,20 @@ class AttributionEvalResult(RowsResult):
         config: dict[str, Any],
         run_info: dict[str, Any],
     ) -> AttributionEvalResult:
+        added = [r for m in cls.added_methods(config) for r in rows.get(added_file(m), [])]
         return cls(cls.frame(rows.get(cls.ROWS, [])), config, run_info,
-                   cls.frame(rows.get(cls.BASELINE_HITS, [])))  # fmt: skip
+                   cls.frame(rows.get(cls.BASELINE_HITS, [])), cls.frame(added))  # fmt: skip
 
     @classmethod
     def from_files(
         cls, folder: Path, config: dict[str, Any], run_info: dict[str, Any]
     ) -> AttributionEvalResult:
         extra = folder / cls.BASELINE_HITS
+        added = [folder / added_file(m) for m in cls.added_methods(config)]
+        added_rows = [r for path in added if path.is_file() for r in read_csv(path)]
         return cls(cls.frame(read_csv(folder / cls.ROWS)), config, run_info,
-                   cls.frame(read_csv(extra)) if extra.is_file() else None)  # fmt: skip
+                   cls.frame(read_csv(extra)) if extra.is_file() else None,
+                   cls.frame(added_rows))  # fmt: skip
 
     def write_files(self, folder: Path) -> None:
         path = Path(folder) / self.BASELINE_HITS
@@ -352,12 +406,20 @@ class AttributionEvalResult(RowsResult):
             write_csv(path, self.baseline_hits)
         else:  # nor an earlier result's file left behind to be read back
             path.unlink(missing_ok=True)
+        for method in self.added_methods(self.config):
+            own = self.added[self.added["measure"] == method] if not self.added.empty else None
+            target = Path(folder) / added_file(method)
+            if own is not None and not own.empty:
+                write_csv(target, own)
+            else:
+                target.unlink(missing_ok=True)
         super().write_files(folder)
 
     @property
     def _method_hits(self) -> pd.DataFrame:
-        """The methods' hit rows of ``rows.csv``."""
-        return self.rows[self.rows["kind"] == "hit"] if not self.rows.empty else self.rows
+        """The methods' hit rows (the run's own and the added methods')."""
+        rows = self.all_rows
+        return rows[rows["kind"] == "hit"] if not rows.empty else rows
 
     @property
     def hits(self) -> pd.DataFrame:
@@ -373,7 +435,8 @@ class AttributionEvalResult(RowsResult):
 
     @property
     def curves(self) -> pd.DataFrame:
-        return self.rows[self.rows["kind"] == "curve"]
+        rows = self.all_rows
+        return rows[rows["kind"] == "curve"] if not rows.empty else rows
 
     def curve_table(self) -> pd.DataFrame:
         """Per (intervention, mode, rate, ranking): n, mean and s.e. of delta (random
@@ -395,7 +458,7 @@ class AttributionEvalResult(RowsResult):
         mode and intervention, in columns ``{mode}_{intervention}`` (e.g.
         ``comprehensiveness_key_mask``), then top-1/top-5 hit rates, mean source rank and
         seconds (methods on known-answer tasks)."""
-        if self.rows.empty:
+        if self.all_rows.empty:
             return pd.DataFrame(columns=["measure"])
         table = self.curve_table()
         out: dict[str, dict[str, float]] = {}
@@ -415,46 +478,61 @@ class AttributionEvalResult(RowsResult):
         frame = pd.DataFrame([{"measure": m, **v} for m, v in out.items()])
         return frame
 
+    def _references(self, measures: set[str]) -> list[str]:
+        return [r for r in REFERENCES if r in measures]
+
     def paired(self) -> pd.DataFrame:
-        """Flow against every other ranking: paired differences of delta per
-        (intervention, mode, rate), bootstrap 95% intervals, Holm per (intervention, mode)."""
+        """Flow (and ``direct``, where it ran) against every other ranking: paired
+        differences of delta per (intervention, mode, rate), bootstrap 95% intervals, Holm
+        per (reference, intervention, mode); a pair is reported once (flow − direct, under
+        flow)."""
         c = self.curves
-        if c.empty or REFERENCE not in set(c["measure"]):
+        if c.empty:
             return pd.DataFrame()
         parts = []
-        for how, g in c.groupby("intervention", sort=False):
-            frame = g.rename(columns={"item": "seq"})[["seq", "mode", "rate", "measure", "delta"]]
-            table = paired_differences(frame, REFERENCE, "delta")
-            table.insert(0, "intervention", how)
-            parts.append(table)
-        return pd.concat(parts, ignore_index=True)
+        references = self._references(set(c["measure"]))
+        for k, ref in enumerate(references):
+            rest = c[~c["measure"].isin(references[:k])]
+            for how, g in rest.groupby("intervention", sort=False):
+                frame = g.rename(columns={"item": "seq"})[
+                    ["seq", "mode", "rate", "measure", "delta"]
+                ]
+                table = paired_differences(frame, ref, "delta")
+                table.insert(0, "intervention", how)
+                parts.append(table)
+        return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
 
     def hits_paired(self) -> pd.DataFrame:
-        """Flow's top-1 hits against every other method's on the same items: exact McNemar,
-        Holm over the methods."""
+        """Flow's (and ``direct``'s, where it ran) top-1 hits against every other method's
+        on the same items: exact McNemar, Holm over each reference's comparisons."""
         h = self._method_hits.dropna(subset=["hit1"])  # a baseline's hits are a floor
-        if h.empty or REFERENCE not in set(h["measure"]):
+        if h.empty:
             return pd.DataFrame()
         table = h.pivot_table(index="item", columns="measure", values="hit1")
-        out = []
-        for other in (m for m in table.columns if m != REFERENCE):
-            pair = table[[REFERENCE, other]].dropna()
-            b = int(((pair[REFERENCE] == 1) & (pair[other] == 0)).sum())
-            c = int(((pair[REFERENCE] == 0) & (pair[other] == 1)).sum())
-            out.append(
-                {"reference": REFERENCE, "other": other, "n": len(pair), "b": b, "c": c,
-                 "reference_top1": float(pair[REFERENCE].mean()),
-                 "other_top1": float(pair[other].mean()), "p": mcnemar_p(b, c)}
-            )  # fmt: skip
-        frame = pd.DataFrame(out)
-        if not frame.empty:
+        references = self._references(set(table.columns))
+        parts = []
+        for k, ref in enumerate(references):
+            out = []
+            for other in (m for m in table.columns if m != ref and m not in references[:k]):
+                pair = table[[ref, other]].dropna()
+                b = int(((pair[ref] == 1) & (pair[other] == 0)).sum())
+                c = int(((pair[ref] == 0) & (pair[other] == 1)).sum())
+                out.append(
+                    {"reference": ref, "other": other, "n": len(pair), "b": b, "c": c,
+                     "reference_top1": float(pair[ref].mean()),
+                     "other_top1": float(pair[other].mean()), "p": mcnemar_p(b, c)}
+                )  # fmt: skip
+            frame = pd.DataFrame(out)
+            if frame.empty:
+                continue
             frame["p_holm"] = holm(frame["p"].to_numpy(float))
             frame["verdict"] = [
                 "tie" if not r.p_holm < 0.05 else
                 ("reference better" if r.b > r.c else "other better")
                 for r in frame.itertuples()
             ]  # fmt: skip
-        return frame
+            parts.append(frame)
+        return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
 
     def write_summary(self, folder: Path) -> None:
         """The summary, the curves and the paired statistics (written when a run ends)."""

@@ -437,6 +437,10 @@ class AttributionEvalOptions(Options):
         n: items generated (known-answer tasks) or texts used (deletion).
         tokens: the items' length in tokens.
         methods: attribution methods compared (registered names, or all).
+        added_methods: methods added to a run after it was made (``--add-methods`` with
+            ``--resume``): each runs on the run's items in a phase of its own, its rows in
+            ``added-{method}.csv``, and joins the others in every table; the run's own
+            rows are not recomputed.
         baselines: rankings that need no method: random (``random_seeds`` seeds), recency.
         rates: the shares of candidate tokens removed (or kept, for insertion).
         interventions: how a removed token leaves the input: ``key_mask`` (its key leaves
@@ -453,6 +457,11 @@ class AttributionEvalOptions(Options):
     methods: list[str] = option(
         ATTRIBUTION_METHODS, "attribution methods, comma-separated or all",
         flag="--methods", parse="names",
+    )  # fmt: skip
+    added_methods: list[str] = option(
+        (), "with --resume: methods to add to the run in --out (finished or not), scored on "
+        "its items beside its own methods without recomputing them", flag="--add-methods",
+        parse="names",
     )  # fmt: skip
     baselines: list[str] = option(
         ("random", "recency"), "random (seeded, --random-seeds of them), recency (latest "
@@ -488,6 +497,14 @@ class AttributionEvalOptions(Options):
         self.methods = METHODS.resolve(split_names(self.methods))
         if not self.methods:
             raise ValueError("no attribution method given; e.g. --methods flow,input_x_gradient")
+        added = split_names(self.added_methods)
+        self.added_methods = METHODS.resolve(added) if added else []
+        twice = [m for m in self.added_methods if m in self.methods]
+        if twice:
+            raise ValueError(
+                f"--add-methods {','.join(twice)}: already among --methods "
+                f"({','.join(self.methods)}); add only methods the run does not have"
+            )
         self.baselines, self.random_seeds = check_baselines(self.baselines, self.random_seeds)
         self.rates = check_rates(self.rates)
         if not self.rates or min(self.rates) <= 0 or max(self.rates) >= 1:

@@ -115,6 +115,9 @@ class Experiment(ABC, Generic[R]):
     """What a runner needs of an experiment (see the module docstring)."""
 
     name: str = "experiment"
+    #: list-valued config keys that a resumed run may extend (entries appended: e.g.
+    #: methods added to a finished run); :meth:`adopt` takes the folder's entries first
+    extendable: tuple[str, ...] = ()
 
     @abstractmethod
     def config(self) -> dict[str, Any]:
@@ -133,6 +136,11 @@ class Experiment(ABC, Generic[R]):
         the old key)}``; a folder holding ``old_key`` instead of ``new_key`` resumes when
         the values match (:meth:`~..runs.RunFolder.check`)."""
         return {}
+
+    def adopt(self, held: dict[str, Any]) -> None:
+        """Take the :attr:`extendable` entries of the config of the run being resumed
+        (``held``), so that a run extended once stays extended (called before
+        :meth:`config` on ``--resume``)."""
 
 
 # ---- processes ---------------------------------------------------------------------------
@@ -207,11 +215,15 @@ def run_experiment(
         ) as tmp:  # rows only; states stay in memory
             return _run(experiment, RunFolder(tmp, config), procs, progress, keep=False)
     # every process checks the folder (same inputs, same verdict) before any writes
-    older = experiment.older_keys()
-    RunFolder.check(out, config, resume=resume, older=older)
+    older, extendable = experiment.older_keys(), experiment.extendable
+    held = RunFolder.held_config(out) if resume else None
+    if held is not None and extendable:
+        experiment.adopt(held)
+        config = experiment.config()
+    RunFolder.check(out, config, resume=resume, older=older, extendable=extendable)
     procs.barrier()
-    if procs.main:
-        RunFolder(out, config, resume=True, older=older)  # writes config.json when new
+    if procs.main:  # writes config.json when new or extended
+        RunFolder(out, config, resume=True, older=older, extendable=extendable)
     procs.barrier()
     return _run(experiment, RunFolder.existing(out, config), procs, progress, keep=True)
 
