@@ -243,7 +243,7 @@ def test_a_method_added_to_a_finished_run_equals_one_run_from_the_start(tmp_path
     common = {"task": "deletion", "n": 2, "tokens": 20, "rates": [0.2, 0.5]}
     first = AttributionEvalOptions(methods="flow", **common)
     run = tmp_path / "run"
-    attribution_eval(model, texts, options=first, out=run)
+    before_adding = attribution_eval(model, texts, options=first, out=run).paired()
     own = (run / "rows.csv").read_text()
     added = AttributionEvalOptions(methods="flow", added_methods="direct", **common)
     result = attribution_eval(model, texts, options=added, out=run, resume=True)
@@ -262,9 +262,16 @@ def test_a_method_added_to_a_finished_run_equals_one_run_from_the_start(tmp_path
     assert {"flow", "direct", "random", "recency"} <= set(summary.index)
     paired = result.paired()
     assert set(paired["reference"]) == {"flow", "direct"}
+    # the added method is a Holm family of its own: the run's verdicts stay as they were
+    pd.testing.assert_frame_equal(
+        paired[paired["reference"] == "flow"].reset_index(drop=True), before_adding
+    )
     direct = paired[paired["reference"] == "direct"]
-    assert "flow" not in set(direct["other"])  # flow - direct is reported once, under flow
-    assert set(direct["other"]) == {"random", "recency"}
+    assert set(direct["other"]) == {"flow", "random", "recency"}
+    assert set(whole.paired()[lambda t: t["reference"] == "direct"]["other"]) == {
+        "random",
+        "recency",
+    }  # direct among the run's own methods: flow - direct under flow
     # a later resume without --add-methods keeps the method and recomputes nothing
     before = (run / "added-direct.csv").read_text()
     again = attribution_eval(model, texts, options=first, out=run, resume=True)

@@ -478,21 +478,39 @@ class AttributionEvalResult(RowsResult):
         frame = pd.DataFrame([{"measure": m, **v} for m, v in out.items()])
         return frame
 
-    def _references(self, measures: set[str]) -> list[str]:
-        return [r for r in REFERENCES if r in measures]
+    def families(self, measures: Sequence[str]) -> list[tuple[str, list[str]]]:
+        """The paired comparisons as Holm families, ``(reference, others)``, among the
+        rankings ``measures``: flow, then ``direct``, each against the run's own rankings
+        (a pair once: flow − direct sits under flow); then each method added later against
+        every ranking before it. A method added to a run is a family of its own, so that
+        adding it leaves the verdicts already drawn from the run as they were."""
+        added_order = self.added_methods(self.config)
+        if not added_order and not self.added.empty:  # a result made without its config
+            added_order = list(dict.fromkeys(self.added["measure"]))
+        present = list(dict.fromkeys(measures))
+        added = [m for m in added_order if m in present]
+        own = [m for m in present if m not in added]
+        out: list[tuple[str, list[str]]] = []
+        refs = [r for r in REFERENCES if r in own]
+        for k, ref in enumerate(refs):
+            others = [m for m in own if m != ref and m not in refs[:k]]
+            if others:
+                out.append((ref, others))
+        for k, method in enumerate(added):
+            out.append((method, own + added[:k]))
+        return out
 
     def paired(self) -> pd.DataFrame:
-        """Flow (and ``direct``, where it ran) against every other ranking: paired
-        differences of delta per (intervention, mode, rate), bootstrap 95% intervals, Holm
-        per (reference, intervention, mode); a pair is reported once (flow − direct, under
-        flow)."""
+        """Paired differences of delta, reference − other, per (intervention, mode, rate),
+        bootstrap 95% intervals, Holm per (family, intervention, mode) (:meth:`families`:
+        flow and direct against the run's rankings, a method added later against all)."""
         c = self.curves
         if c.empty:
             return pd.DataFrame()
         parts = []
-        references = self._references(set(c["measure"]))
-        for k, ref in enumerate(references):
-            rest = c[~c["measure"].isin(references[:k])]
+        pooled = c["measure"].str.replace(r"^random:\d+$", "random", regex=True)
+        for ref, others in self.families(list(pooled)):
+            rest = c[pooled.isin([ref, *others])]
             for how, g in rest.groupby("intervention", sort=False):
                 frame = g.rename(columns={"item": "seq"})[
                     ["seq", "mode", "rate", "measure", "delta"]
@@ -503,17 +521,16 @@ class AttributionEvalResult(RowsResult):
         return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
 
     def hits_paired(self) -> pd.DataFrame:
-        """Flow's (and ``direct``'s, where it ran) top-1 hits against every other method's
-        on the same items: exact McNemar, Holm over each reference's comparisons."""
+        """Top-1 hits of each family's reference (:meth:`families`) against each other
+        method's on the same items: exact McNemar, Holm over the family."""
         h = self._method_hits.dropna(subset=["hit1"])  # a baseline's hits are a floor
         if h.empty:
             return pd.DataFrame()
         table = h.pivot_table(index="item", columns="measure", values="hit1")
-        references = self._references(set(table.columns))
         parts = []
-        for k, ref in enumerate(references):
+        for ref, others in self.families(list(h["measure"])):
             out = []
-            for other in (m for m in table.columns if m != ref and m not in references[:k]):
+            for other in others:
                 pair = table[[ref, other]].dropna()
                 b = int(((pair[ref] == 1) & (pair[other] == 0)).sum())
                 c = int(((pair[ref] == 0) & (pair[other] == 1)).sum())
