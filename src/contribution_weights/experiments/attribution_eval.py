@@ -25,8 +25,10 @@ phase, which needs no forward pass: ``--resume`` on a run made before it existed
 in seconds. A method added to a run later (``--add-methods`` with ``--resume``: the run
 need not be rerun for a new method, and the new one is paired with the old ones on the
 same items) has a phase of its own, its hit and curve rows in ``added-{method}.csv``. The
-summary and the paired statistics (flow, and ``direct`` where it ran, against every other
-ranking: bootstrap intervals, Holm; McNemar on top-1 hits) are computed from them all.
+summary and the paired statistics are computed from them all: flow, and ``direct`` where
+it is one of the run's methods, against the run's other rankings, and each added method
+against every ranking, one Holm family each (:meth:`AttributionEvalResult.families`);
+bootstrap intervals for the curves, McNemar on top-1 hits.
 """
 
 from __future__ import annotations
