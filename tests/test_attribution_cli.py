@@ -238,3 +238,30 @@ def test_top_zero_is_refused_by_the_parser(capsys):
     with pytest.raises(SystemExit) as stop:
         main(["attribute", "--text", "abcdef", "--top", "0"])
     assert stop.value.code == 2 and "--top: must be at least 1" in capsys.readouterr().err
+
+
+def test_attribution_eval_adds_a_method_to_a_finished_run(folder, tmp_path, monkeypatch, capsys):
+    """``cw attribution-eval --resume --add-methods direct`` on a finished run: the new
+    method's rows in their own file and in the printed summary; a method the run has is
+    refused (exit 2) before the model loads."""
+    out, texts = tmp_path / "run", tmp_path / "texts.jsonl"
+    lines = ["abcdefghijklmnopqrstuvwxyz" * 2, "the quick brown fox jumps over the lazy dog"]
+    texts.write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
+    base = ["attribution-eval", "--texts", str(texts), "--n", "2", "--tokens", "20",
+            "--methods", "flow", "--rates", "0.5", "--interventions", "key_mask",
+            "--model", str(folder), "--out", str(out)]  # fmt: skip
+    assert main(base) == 0
+    rows = (out / "rows.csv").read_text()
+    capsys.readouterr()
+    assert main([*base, "--resume", "--add-methods", "direct"]) == 0
+    printed = capsys.readouterr().out
+    assert "direct" in printed and "added-direct.csv" in printed
+    assert (out / "rows.csv").read_text() == rows
+    assert json.loads((out / "config.json").read_text())["added_methods"] == ["direct"]
+
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(loading, "load_model", refuse)
+    assert main([*base, "--resume", "--add-methods", "flow"]) == 2
+    assert "already among --methods" in capsys.readouterr().err
