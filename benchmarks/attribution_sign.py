@@ -52,7 +52,7 @@ def main() -> int:
         removal_sets,
     )
     from contribution_weights.experiments.options import AttributionEvalOptions
-    from contribution_weights.experiments.paired import holm
+    from contribution_weights.experiments.paired import holm, seeds_as_random
 
     method = args.method
     config = json.loads((args.run / "config.json").read_text())
@@ -106,8 +106,7 @@ def main() -> int:
     st.join(ab.set_index("item"), how="outer").to_csv(args.out / name)
     st = st.join(hits[["value_full"]])
     curves = rows[rows["kind"] == "curve"]
-    curves = curves.assign(measure=curves["measure"].str.replace(r"^random:\d+$", "random",
-                                                                 regex=True))  # fmt: skip
+    curves = curves.assign(measure=seeds_as_random(curves["measure"]))
     per = curves.groupby(["measure", "intervention", "mode", "item"])["delta"].mean()
     mine = ab.groupby(["intervention", "mode", "item"])["delta"].mean()
     neg = st["neg_share"] > 0.5

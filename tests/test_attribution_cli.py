@@ -4,6 +4,7 @@ writes its files; the API's keyword forms."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -95,6 +96,28 @@ def test_direct_method_through_the_api():
     assert not torch.allclose(a["direct"], a["flow"])
     with pytest.raises(TargetError, match="direct method explains a scalar"):
         cw.attribute(model, ids, methods="direct", quantity="flow")
+
+
+def test_magnitude_twins_are_their_methods_absolute_values():
+    """``NAME_abs`` reports ``|NAME|``: computed on its own (same scores as the signed
+    method's, made absolute) or taken from the signed method that ran on the same input,
+    with the same seconds; it decomposes nothing, and it is not part of ``all``."""
+    from contribution_weights.attribution.methods import METHODS
+
+    model = tiny_model("llama", dtype=torch.float64)
+    ids = torch.randint(3, 90, (12,))
+    both = cw.attribute(model, ids, methods="direct_abs,direct,input_x_gradient_abs", target=7)
+    assert both.methods == ["direct_abs", "direct", "input_x_gradient_abs"]
+    assert torch.equal(both["direct_abs"], both["direct"].abs())
+    assert both.seconds["direct_abs"] == both.seconds["direct"]
+    assert (both["direct"] < 0).any()  # the case that makes the twin differ
+    alone = cw.attribute(model, ids, methods="direct_abs,input_x_gradient", target=7)
+    assert torch.allclose(alone["direct_abs"], both["direct_abs"])
+    assert torch.allclose(both["input_x_gradient_abs"], alone["input_x_gradient"].abs())
+    assert math.isnan(alone.explained["direct_abs"][0])
+    assert math.isnan(alone.remainder["direct_abs"][0])
+    assert "direct_abs" not in METHODS.resolve("all")
+    assert {"flow_abs", "integrated_gradients_abs", "feature_ablation_abs"} <= set(METHODS.names())
 
 
 def test_flow_alone_runs_one_forward():

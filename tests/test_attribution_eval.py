@@ -286,6 +286,39 @@ def test_a_method_added_to_a_finished_run_equals_one_run_from_the_start(tmp_path
     assert (run / "added-input_x_gradient.csv").is_file()
 
 
+def test_a_magnitude_twin_ranks_by_absolute_scores_added_or_from_the_start(tmp_path):
+    """``direct_abs`` beside ``direct`` takes its scores (and seconds) without running it
+    again; added to a run that has ``direct`` it gives the same rows; its order is the
+    order of ``|direct|``."""
+    from contribution_weights.experiments.attribution_eval import ranking_order
+
+    model = tiny_model("llama")
+    texts = ["abcdefghijklmnopqrstuvwxyz" * 2, "the quick brown fox jumps over the lazy dog"]
+    common = {"task": "deletion", "n": 2, "tokens": 20, "rates": [0.2, 0.5]}
+    whole = attribution_eval(model, texts, out=tmp_path / "whole",
+                             options=AttributionEvalOptions(methods="direct,direct_abs",
+                                                            **common))  # fmt: skip
+    hits = whole.rows[whole.rows["kind"] == "hit"].set_index(["item", "measure"])["seconds"]
+    for item in (0, 1):
+        assert hits[(item, "direct_abs")] == hits[(item, "direct")]
+    run = tmp_path / "run"
+    attribution_eval(model, texts, options=AttributionEvalOptions(methods="direct", **common),
+                     out=run)  # fmt: skip
+    added = AttributionEvalOptions(methods="direct", added_methods="direct_abs", **common)
+    result = attribution_eval(model, texts, options=added, out=run, resume=True)
+    key = ["item", "kind", "measure", "intervention", "mode", "rate"]
+    mine = result.added.sort_values(key)
+    theirs = whole.rows[whole.rows["measure"] == "direct_abs"].sort_values(key)
+    assert len(mine) == len(theirs) > 0
+    for column in ("delta", "value"):
+        assert mine[column].tolist() == pytest.approx(theirs[column].tolist(), nan_ok=True)
+    scores = {"direct": torch.tensor([0.0, -3.0, 1.0, 2.0])}
+    scores["direct_abs"] = scores["direct"].abs()
+    candidates = torch.arange(1, 4)
+    assert ranking_order("direct", scores, candidates, 0, 0).tolist() == [3, 2, 1]
+    assert ranking_order("direct_abs", scores, candidates, 0, 0).tolist() == [1, 3, 2]
+
+
 def test_adding_a_method_the_run_has_or_with_other_options_is_refused(tmp_path):
     from contribution_weights.runs import RunFolderError
 

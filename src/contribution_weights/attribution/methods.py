@@ -5,6 +5,10 @@ An :class:`AttributionMethod` names the function that computes it as ``"module:f
 package), so the command line can list and check names without importing torch.
 Register another with :func:`register_attribution_method`; its function takes
 ``(model, ids, targets, options)`` and returns a :class:`~.run.MethodOutput`.
+
+Every signed method has a magnitude twin, ``NAME_abs`` (:func:`magnitude_of`): the same
+scores' absolute values, which rank a token that pushes against the target as high as one
+that pushes for it (method §7.6). The twins are not part of ``all``.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ class AttributionMethod:
         aliases: other accepted spellings.
         reports_logits: its output carries the logits at the target positions (its own
             forward computed them): run first, it resolves the targets for the others.
+        absolute_of: for a magnitude twin (``direct_abs``), the method whose scores'
+            absolute values it reports; empty for a method of its own.
     """
 
     name: str
@@ -41,14 +47,33 @@ class AttributionMethod:
     cost: str = ""
     aliases: tuple[str, ...] = ()
     reports_logits: bool = False
+    absolute_of: str = ""
 
 
-METHODS: Registry[AttributionMethod] = Registry("attribution method")
+METHODS: Registry[AttributionMethod] = Registry(
+    "attribution method", in_all=lambda m: not m.absolute_of
+)
+#: the signed methods, each with a magnitude twin ``NAME_abs``
+SIGNED = ("flow", "direct", "integrated_gradients", "input_x_gradient", "feature_ablation")
 
 
 def register_attribution_method(method: AttributionMethod) -> AttributionMethod:
     """Add (or replace) an attribution method."""
     return METHODS.register(method)
+
+
+def magnitude_of(method: AttributionMethod) -> AttributionMethod:
+    """``method``'s magnitude twin: ``NAME_abs``, its scores' absolute values (computed by
+    the same function, so at the same cost; free where ``method`` has run on the input)."""
+    return AttributionMethod(
+        f"{method.name}_abs",
+        method.entry,
+        f"|{method.name}|: the magnitudes of {method.name}'s scores",
+        scalar=method.scalar,
+        cost=method.cost,
+        reports_logits=method.reports_logits,
+        absolute_of=method.name,
+    )
 
 
 for _method in (
@@ -119,3 +144,6 @@ for _method in (
     ),
 ):
     register_attribution_method(_method)
+
+for _name in SIGNED:
+    register_attribution_method(magnitude_of(METHODS.get(_name)))

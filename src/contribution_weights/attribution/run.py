@@ -130,11 +130,28 @@ def feature_ablation_method(
     return MethodOutput(feature_ablation(model, ids, targets))
 
 
+def magnitude(out: MethodOutput) -> MethodOutput:
+    """A method's output as its magnitude twin reports it: ``|scores|``, which decompose
+    nothing (no explained value, no remainder)."""
+    return MethodOutput(out.scores.abs(), logits=out.logits)
+
+
 def method_function(name: str) -> MethodFunction:
     """The function of a registered method (imported on first use). Its entry is
     ``"module:function"`` or ``"module.function"``, the module any importable one (a
     user's ``mymethods.py``: ``"mymethods:my_scores"``); a leading dot (``".run:..."``,
-    the built-in methods) is relative to this package."""
+    the built-in methods) is relative to this package. A magnitude twin's (``direct_abs``)
+    is its method's, with the scores' absolute values."""
+    base = METHODS.get(name).absolute_of
+    if base:
+        signed = method_function(base)
+
+        def absolute(
+            model: LoadedModel, ids: Tensor, targets: list[Target], options: AttributeOptions
+        ) -> MethodOutput:
+            return magnitude(signed(model, ids, targets, options))
+
+        return absolute
     entry = METHODS.get(name).entry
     module, _, func = entry.partition(":") if ":" in entry else entry.rpartition(".")
     fix = "write it as 'module:function' (e.g. 'mymethods:my_scores')"
@@ -305,10 +322,19 @@ def attribute(
     logits: Tensor | None = None
     # the flows run first: their forward gives the logits that resolve the targets, so no
     # method pays a forward for it; the others get the resolved targets
-    order = sorted(options.methods, key=lambda m: not METHODS.get(m).reports_logits)
+    # (a magnitude twin after its method, whose scores it then takes as they are)
+    order = sorted(
+        options.methods,
+        key=lambda m: (not METHODS.get(m).reports_logits, bool(METHODS.get(m).absolute_of)),
+    )
     for name in order:
-        fn = method_function(name)
         method = METHODS.get(name)
+        if method.absolute_of in scores:
+            scores[name] = scores[method.absolute_of].abs()
+            explained[name], remainder[name] = nan, nan
+            seconds[name] = seconds[method.absolute_of]
+            continue
+        fn = method_function(name)
         if logits is None and method.scalar and not method.reports_logits:
             logits = target_logits(model, ids, targets)
         start = time.perf_counter()

@@ -18,7 +18,11 @@ from .options import add_options, options_from_args
 
 
 def _methods_help() -> str:
-    return "; ".join(f"{m.name}: {m.description} ({m.cost})" for m in METHODS)
+    own = [f"{m.name}: {m.description} ({m.cost})" for m in METHODS if not m.absolute_of]
+    twins = [m.name for m in METHODS if m.absolute_of]
+    if twins:
+        own.append(f"{', '.join(twins)}: the magnitudes of the signed methods' scores")
+    return "; ".join(own)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -45,6 +45,7 @@ import pandas as pd
 import torch
 from torch import Tensor
 
+from ..attribution.methods import METHODS
 from ..attribution.options import AttributeOptions
 from ..attribution.run import method_function
 from ..attribution.targets import Target, target_values
@@ -52,7 +53,7 @@ from ..attribution.tasks import KNOWN_ANSWER, Item, make_item, text_item
 from ..loading import LoadedModel
 from ..runs import fingerprint
 from .options import AttributionEvalOptions
-from .paired import holm, mcnemar_p, paired_differences
+from .paired import holm, mcnemar_p, paired_differences, seeds_as_random
 from .result import RowsResult, read_csv, typed_frame, write_csv
 from .runner import Experiment, Phase, SkipUnit, run_experiment
 
@@ -276,11 +277,17 @@ class AttributionEval(Experiment["AttributionEvalResult"]):
         base = {"item": index, "value_full": full, "correct": correct, "tokens": t}
         rows: list[dict[str, Any]] = []
         scores: dict[str, Tensor] = {}
+        spent: dict[str, float] = {}
         for name in methods:
-            start = time.perf_counter()
-            out = method_function(name)(self.model, ids, [target], self.attribute_options)
-            seconds = time.perf_counter() - start
-            scores[name] = out.scores[0].detach().double().cpu()
+            signed = METHODS.get(name).absolute_of
+            if signed in scores:  # a magnitude twin of a method that ran: its scores, free
+                scores[name], seconds = scores[signed].abs(), spent[signed]
+            else:
+                start = time.perf_counter()
+                out = method_function(name)(self.model, ids, [target], self.attribute_options)
+                seconds = time.perf_counter() - start
+                scores[name] = out.scores[0].detach().double().cpu()
+            spent[name] = seconds
             rows.append({**base, "kind": "hit", "measure": name, "seconds": seconds,
                          **self._hits(scores[name], item, o.protect_first)})  # fmt: skip
         candidates = self._candidates(item)
@@ -510,7 +517,7 @@ class AttributionEvalResult(RowsResult):
         if c.empty:
             return pd.DataFrame()
         parts = []
-        pooled = c["measure"].str.replace(r"^random:\d+$", "random", regex=True)
+        pooled = seeds_as_random(c["measure"])
         for ref, others in self.families(list(pooled)):
             rest = c[pooled.isin([ref, *others])]
             for how, g in rest.groupby("intervention", sort=False):
@@ -590,7 +597,7 @@ def _rank_fields(rank: int, rank_all: float) -> dict[str, float]:
 def _pool_seeds(rows: pd.DataFrame, values: list[str], keys: Sequence[str] = ()) -> pd.DataFrame:
     """``rows`` with the random seeds' rows (``random:SEED``) averaged per item into one
     ``random`` row (per ``keys``); other rankings' rows as they are (one per item and key)."""
-    pooled = rows.assign(measure=rows["measure"].str.replace(r"^random:\d+$", "random", regex=True))
+    pooled = rows.assign(measure=seeds_as_random(rows["measure"]))
     return pooled.groupby([*keys, "measure", "item"], sort=False, as_index=False)[values].mean()
 
 

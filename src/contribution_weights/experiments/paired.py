@@ -74,6 +74,11 @@ MCNEMAR_COLUMNS = [
 REFERENCE_BETTER, OTHER_BETTER, TIE = "reference better", "other better", "tie"
 
 
+def seeds_as_random(measures: pd.Series) -> pd.Series:
+    """The ranking names with every random seed's (``random:SEED``) written ``random``."""
+    return measures.astype(str).str.replace(_SEED_NAME, RANDOM, regex=True)
+
+
 def pool_seeds(rows: pd.DataFrame, unit: str, values: Sequence[str]) -> pd.DataFrame:
     """``rows`` with the random seeds' rows (``random:SEED``) replaced by one ranking
     ``random``: per (unit, the other keys) the mean of ``values`` over the seeds.
