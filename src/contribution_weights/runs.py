@@ -116,8 +116,7 @@ class RunFolder:
         self.config = dict(config)
         cfg_file = self.path / "config.json"
         if cfg_file.exists():
-            RunFolder.check(self.path, self.config, resume, older, extendable)
-            held = RunFolder.held_config(self.path) or {}
+            held = RunFolder.check(self.path, self.config, resume, older, extendable) or {}
             if any(held.get(k) != self.config.get(k) for k in extendable):
                 self.write_json("config.json", self.config, indent_sort=True)  # extended
             self.drop_partial_lines()
@@ -132,8 +131,9 @@ class RunFolder:
         resume: bool = False,
         older: Mapping[str, tuple[str, Any]] | None = None,
         extendable: Sequence[str] = (),
-    ) -> None:
-        """Refuse (with :class:`RunFolderError`) to reuse ``path`` for ``config``, reading only.
+    ) -> dict[str, Any] | None:
+        """Refuse (with :class:`RunFolderError`) to reuse ``path`` for ``config``, reading only;
+        returns the folder's config (None where it holds no run).
 
         A folder holding a run needs ``resume``, and then the same config: the keys that
         differ are named. Keys in :data:`INFORMATIONAL` (where the texts came from, as
@@ -145,7 +145,7 @@ class RunFolder:
         """
         path = Path(path)
         if not holds_run(path, resume):
-            return
+            return None
         old = RunFolder.held_config(path) or {}
         config = dict(config)
         for old_key, (new_key, value) in (older or {}).items():
@@ -169,6 +169,7 @@ class RunFolder:
                 f"cannot resume {path}: its config differs in {', '.join(diff)} ({shown}"
                 f"{more}); rerun with the same options or choose another --out folder"
             )
+        return old
 
     @staticmethod
     def held_config(path: str | Path) -> dict[str, Any] | None:
