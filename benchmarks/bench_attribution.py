@@ -32,7 +32,7 @@ from pathlib import Path
 from bench_trace import PeakRSS, benchmark_ids  # benchmarks/bench_trace.py, beside this
 
 BASELINES = ["eager", "sdpa"]
-METHODS = ["flow", "rollout", "alti", "input_x_gradient", "integrated_gradients",
+METHODS = ["flow", "direct", "rollout", "alti", "input_x_gradient", "integrated_gradients",
            "feature_ablation"]  # fmt: skip
 
 
