@@ -363,16 +363,23 @@ def test_continuation_equals_one_at_a_time(family, quantity):
         assert_scores(together.scores[k, :w], expected, f"{family} {quantity} target {k}")
 
 
+#: joint pass against one target at a time (assert_equals_alone)
+JOINT_ATOL = 1e-6
+
+
 def assert_equals_alone(loaded: LoadedModel, together: FlowOutput, k: int, t: Target) -> int:
     """Target k of a joint pass equals the target alone (scores, values, explained,
     remainder), and scores nothing after its position; returns its width."""
     alone = library(loaded, [t])
     w = t.position + 1
-    assert torch.allclose(together.scores[k, :w], alone.scores[0], rtol=0, atol=1e-12)
+    # not 1e-12: the float64 models' RMS norms (Llama, Gemma) compute in float32, and the two
+    # passes' float32 kernels may take different vectorised paths (seen on an AMD EPYC:
+    # 7e-9); a wrong joint pass is off by orders of magnitude more
+    assert torch.allclose(together.scores[k, :w], alone.scores[0], rtol=0, atol=JOINT_ATOL)
     assert not bool(together.scores[k, w:].any())
     for name in ("values", "explained", "remainder"):
         a, b = getattr(together, name)[k], getattr(alone, name)[0]
-        assert torch.allclose(a, b, rtol=0, atol=1e-12, equal_nan=True), name
+        assert torch.allclose(a, b, rtol=0, atol=JOINT_ATOL, equal_nan=True), name
     return w
 
 
