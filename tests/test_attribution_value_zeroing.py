@@ -33,6 +33,8 @@ from contribution_weights.capture import AttentionEdit, capturing
 
 F64 = torch.float64
 TOL = 1e-10
+#: composed rows against the naive matrix products (test_composition_equals_matrix_products)
+COMPOSED_TOL = 1e-6
 T = 9
 POSITION = 6
 IDS = torch.randint(0, 99, (T,), generator=torch.Generator().manual_seed(5))
@@ -168,7 +170,11 @@ def test_composition_equals_matrix_products(family):
     assert got.shape == (2, POSITION + 1)
     for k, p in enumerate(positions.tolist()):
         want = product[p, : POSITION + 1]
-        assert torch.allclose(got[k], want, atol=TOL, rtol=0), (
+        # COMPOSED_TOL, not TOL: the composed rows (copies batched) against the naive
+        # per-token products differ by up to 1e-7 on some CPUs (an AMD EPYC), where the
+        # float64 models' float32 internals (RMS norms, rotary tables) take shape-dependent
+        # kernel paths; a wrong composition is off by far more
+        assert torch.allclose(got[k], want, atol=COMPOSED_TOL, rtol=0), (
             f"{family} position {p}: max diff {float((got[k] - want).abs().max()):.3g}"
         )
         assert abs(float(got[k].sum()) - 1.0) < 1e-12
