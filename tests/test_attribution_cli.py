@@ -196,6 +196,49 @@ def first_token(model, ids, targets, options):
 """
 
 
+SIGNED_PLUGIN = """
+import torch
+from contribution_weights.attribution.run import MethodOutput
+
+
+def alternating(model, ids, targets, options):
+    signs = torch.tensor([(-1.0) ** k for k in range(ids.numel())])
+    scores = (torch.arange(ids.numel()) + 1.0) * signs
+    return MethodOutput(scores.unsqueeze(0).repeat(len(targets), 1))
+"""
+
+
+def test_a_users_signed_method_brings_its_magnitude_twin(tmp_path, monkeypatch):
+    """``signed=True`` registers ``NAME_abs`` with the method (outside ``all``); the twin
+    reports |scores|; the same name registered again unsigned takes its twin away; a twin
+    cannot itself be signed."""
+    import sys
+
+    from contribution_weights.attribution.methods import METHODS
+
+    (tmp_path / "cw_signed_plugin.py").write_text(SIGNED_PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        cw.register_attribution_method(
+            cw.AttributionMethod("alt", "cw_signed_plugin:alternating", "a test", signed=True)
+        )
+        assert METHODS.get("alt_abs").absolute_of == "alt"
+        assert "alt_abs" not in METHODS.resolve("all") and "alt" in METHODS.resolve("all")
+        result = cw.attribute(tiny_model("llama"), "one two three four", methods="alt_abs,alt")
+        assert (result["alt"] < 0).any()
+        assert torch.equal(result["alt_abs"], result["alt"].abs())
+        cw.register_attribution_method(
+            cw.AttributionMethod("alt", "cw_signed_plugin:alternating", "a test")
+        )
+        assert "alt_abs" not in METHODS
+        with pytest.raises(ValueError, match="has no sign"):
+            cw.AttributionMethod("x_abs", "m:f", "a test", signed=True, absolute_of="x")
+    finally:
+        for name in ("alt", "alt_abs"):
+            METHODS.unregister(name)
+        sys.modules.pop("cw_signed_plugin", None)
+
+
 def test_a_method_from_a_users_module_runs_in_the_api_and_the_cli(
     folder, tmp_path, monkeypatch, capsys
 ):

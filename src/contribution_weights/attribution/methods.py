@@ -6,9 +6,10 @@ package), so the command line can list and check names without importing torch.
 Register another with :func:`register_attribution_method`; its function takes
 ``(model, ids, targets, options)`` and returns a :class:`~.run.MethodOutput`.
 
-Every signed method has a magnitude twin, ``NAME_abs`` (:func:`magnitude_of`): the same
-scores' absolute values, which rank a token that pushes against the target as high as one
-that pushes for it (method §7.6). The twins are not part of ``all``.
+Every signed method (``signed=True``, the user's too) has a magnitude twin, ``NAME_abs``
+(:func:`magnitude_of`), registered with it: the same scores' absolute values, which rank a
+token that pushes against the target as high as one that pushes for it (method §7.6). The
+twins are not part of ``all``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class AttributionMethod:
         aliases: other accepted spellings.
         reports_logits: its output carries the logits at the target positions (its own
             forward computed them): run first, it resolves the targets for the others.
+        signed: its scores have a sign (a token can push against the target):
+            registering it registers its magnitude twin ``NAME_abs`` too.
         absolute_of: for a magnitude twin (``direct_abs``), the method whose scores'
             absolute values it reports; empty for a method of its own.
     """
@@ -47,19 +50,32 @@ class AttributionMethod:
     cost: str = ""
     aliases: tuple[str, ...] = ()
     reports_logits: bool = False
+    signed: bool = False
     absolute_of: str = ""
+
+    def __post_init__(self) -> None:
+        if self.signed and self.absolute_of:
+            raise ValueError(
+                f"attribution method {self.name!r}: a magnitude twin (absolute_of="
+                f"{self.absolute_of!r}) has no sign; drop signed=True"
+            )
 
 
 METHODS: Registry[AttributionMethod] = Registry(
     "attribution method", in_all=lambda m: not m.absolute_of
 )
-#: the signed methods, each with a magnitude twin ``NAME_abs``
-SIGNED = ("flow", "direct", "integrated_gradients", "input_x_gradient", "feature_ablation")
 
 
 def register_attribution_method(method: AttributionMethod) -> AttributionMethod:
-    """Add (or replace) an attribution method."""
-    return METHODS.register(method)
+    """Add (or replace) an attribution method; a signed one brings its magnitude twin
+    ``NAME_abs`` (a method replaced by an unsigned one of its name loses its twin)."""
+    twin = f"{method.name}_abs"
+    if twin in METHODS and METHODS.get(twin).absolute_of == method.name:
+        METHODS.unregister(twin)
+    METHODS.register(method)
+    if method.signed:
+        METHODS.register(magnitude_of(method))
+    return method
 
 
 def magnitude_of(method: AttributionMethod) -> AttributionMethod:
@@ -84,6 +100,7 @@ for _method in (
         "and projected on the target (method §7)",
         cost="~1.5 forwards",
         aliases=("contribution_flow",),
+        signed=True,
         reports_logits=True,
     ),
     AttributionMethod(
@@ -93,6 +110,7 @@ for _method in (
         "the positions it read, one hop, not composed; projected on the target (method §7.6)",
         cost="flow's forward, no composition",
         aliases=("one_hop",),
+        signed=True,
         reports_logits=True,
     ),
     AttributionMethod(
@@ -127,6 +145,7 @@ for _method in (
         "integrated gradients on the input embeddings (captum), zero baseline",
         cost="steps forwards + backwards",
         aliases=("ig",),
+        signed=True,
     ),
     AttributionMethod(
         "input_x_gradient",
@@ -134,6 +153,7 @@ for _method in (
         "input × gradient on the input embeddings (captum)",
         cost="1 forward + backward",
         aliases=("ixg",),
+        signed=True,
     ),
     AttributionMethod(
         "feature_ablation",
@@ -141,9 +161,7 @@ for _method in (
         "each token's embedding set to zero in turn (captum)",
         cost="T forwards",
         aliases=("ablation",),
+        signed=True,
     ),
 ):
     register_attribution_method(_method)
-
-for _name in SIGNED:
-    register_attribution_method(magnitude_of(METHODS.get(_name)))
