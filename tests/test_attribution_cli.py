@@ -324,6 +324,15 @@ def test_attribution_eval_adds_a_method_to_a_finished_run(folder, tmp_path, monk
     assert "direct" in printed and "added-direct.csv" in printed
     assert (out / "rows.csv").read_text() == rows
     assert json.loads((out / "config.json").read_text())["added_methods"] == ["direct"]
+    # resuming with no options: the run's own, said on stderr (not today's defaults)
+    bare = ["attribution-eval", "--texts", str(texts), "--model", str(folder), "--out", str(out)]
+    assert main([*bare, "--resume"]) == 0
+    said = capsys.readouterr().err
+    assert "with its options: --n 2 --tokens 20 --methods flow --add-methods direct" in said
+    assert "--rates 0.5 --interventions key_mask" in said
+    assert (out / "rows.csv").read_text() == rows
+    assert main([*bare, "--resume", "--tokens", "24"]) == 2  # a flag given still counts
+    assert "tokens: 20 in the folder, 24 now" in capsys.readouterr().err
 
     def refuse(*a, **k):
         raise AssertionError("the model was loaded before the options were checked")

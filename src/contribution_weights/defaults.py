@@ -58,6 +58,6 @@ ATTRIBUTION_TASKS = ("deletion", "induction", "lookup", "passkey")
 ATTRIBUTION_INTERVENTIONS = ("key_mask", "embedding")
 ATTRIBUTION_RATES = (0.05, 0.1, 0.2, 0.3, 0.5)
 ATTRIBUTION_METHODS = (
-    "flow", "rollout", "alti", "value_zeroing", "input_x_gradient", "integrated_gradients",
-    "feature_ablation",
+    "flow", "direct", "rollout", "alti", "value_zeroing", "input_x_gradient",
+    "integrated_gradients", "feature_ablation",
 )  # fmt: skip

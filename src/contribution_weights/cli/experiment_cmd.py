@@ -26,7 +26,7 @@ from .common import (
     positive_int,
     print_written,
 )
-from .options import add_options, options_from_args
+from .options import add_options, options_from_args, resumed_options
 
 #: the most texts a generated task's haystack reads (the data set may be a hub stream)
 HAYSTACK_TEXTS = 1000
@@ -236,7 +236,8 @@ def run(args: argparse.Namespace, spec: ExperimentSpec) -> int:
     check_out_dir(args.out)  # before the data and the model load
     check_run_folder(args.out, args.resume)
     fixed = inputs.options(args) if hasattr(inputs, "options") else {}
-    options = options_from_args(spec.options, args, **fixed)  # bad options fail before loading
+    kept = resumed_options(spec.options, args, fixed)
+    options = options_from_args(spec.options, args, **kept, **fixed)  # fail before loading
     try:
         data, source, extra = inputs.read(args)
     except MissingDataError as err:

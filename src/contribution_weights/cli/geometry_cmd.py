@@ -16,7 +16,7 @@ from .common import (
     model_device,
     print_written,
 )
-from .options import add_options, options_from_args
+from .options import add_options, options_from_args, resumed_options
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -51,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
     check_out_dir(args.out)  # before the data and the model load
     check_run_folder(args.out, args.resume)
     analyses = resolve_analyses(args.only)
-    options = options_from_args(GeometryOptions, args)  # bad options fail before loading
+    kept = resumed_options(GeometryOptions, args, {})
+    options = options_from_args(GeometryOptions, args, **kept)  # bad options fail before loading
     try:
         texts, source = load_corpus(args)
     except MissingDataError as err:

@@ -114,7 +114,58 @@ def add_options(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...
 
 
 def options_from_args(cls: type[T], args: argparse.Namespace, **extra: Any) -> T:
-    """The options dataclass from the parsed flags (defaults where a flag was not given)."""
+    """The options dataclass from the parsed flags (defaults where a flag was not given;
+    ``extra`` for values that come from elsewhere, such as :func:`held_options`)."""
     names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
     given = {name: getattr(args, name) for name in names if hasattr(args, name)}
     return cls(**{**given, **extra})
+
+
+def held_options(
+    cls: type, args: argparse.Namespace, held: dict[str, Any] | None, fixed: dict[str, Any]
+) -> dict[str, Any]:
+    """The options a resumed run keeps: the values in its config (``held``) of the flags
+    not given now (nor ``fixed`` by the inputs), so that ``--out DIR --resume`` continues
+    the run in DIR as it was started, whatever the defaults are now."""
+    if not held:
+        return {}
+    return {
+        f.name: held[f.name]
+        for f in dataclasses.fields(cls)
+        if f.metadata.get("flag") and f.name in held and not hasattr(args, f.name)
+        and f.name not in fixed
+    }  # fmt: skip
+
+
+def said_held(cls: type, kept: dict[str, Any]) -> str:
+    """The options taken from a resumed run that differ from today's defaults, as flags
+    (``"--methods flow,rollout --n 32"``; empty when none differs)."""
+    defaults = {f.name: f for f in dataclasses.fields(cls)}
+    parts = []
+    for name, value in kept.items():
+        f = defaults[name]
+        default = f.default_factory() if callable(f.default_factory) else f.default
+        if isinstance(default, tuple):
+            default = list(default)
+        if value == default:
+            continue
+        if f.metadata["parse"] in ("flag", "no-flag"):  # differs: the flag was given
+            parts.append(f.metadata["flag"])
+            continue
+        shown = ",".join(map(str, value)) if isinstance(value, list) else str(value)
+        parts.append(f"{f.metadata['flag']} {shown}")
+    return " ".join(parts)
+
+
+def resumed_options(cls: type, args: argparse.Namespace, fixed: dict[str, Any]) -> dict[str, Any]:
+    """With ``--resume`` on a folder that holds a run: :func:`held_options`, and a line on
+    standard error naming those that differ from today's defaults."""
+    from ..runs import RunFolder
+    from .common import notice
+
+    held = RunFolder.held_config(args.out) if getattr(args, "resume", False) else None
+    kept = held_options(cls, args, held, fixed)
+    said = said_held(cls, kept)
+    if said:
+        notice(f"resuming the run in {args.out} with its options: {said}")
+    return kept
