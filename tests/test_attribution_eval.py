@@ -138,7 +138,7 @@ def test_a_deletion_run_writes_its_tables_and_resumes(tmp_path):
         "sufficiency_embedding",
         "insertion_key_mask",
     } <= set(result.summary.columns)
-    for name in ("summary.csv", "curves.csv", "paired.csv", "rows.csv"):
+    for name in ("summary.csv", "curves.csv", "paired.csv", "rows.csv", "tables.md"):
         assert (tmp_path / name).is_file()
     assert not (tmp_path / "hits_paired.csv").exists()  # no known answers, no hit tests
     assert result.summary["top1_all"].isna().all()  # not a 0% hit rate
@@ -352,3 +352,42 @@ def test_top1_hits_are_compared_with_flow_and_with_direct_each_pair_once():
                      ("direct", "input_x_gradient")]  # fmt: skip
     row = table.iloc[2]
     assert (row["b"], row["c"], row["reference_top1"]) == (3, 0, 1.0)
+
+
+def test_tables_md_holds_the_hits_the_areas_and_the_verdicts(tmp_path):
+    """``tables.md`` (written with the summary): hits ± s.e. by top-1, each ranking's area
+    over the curves (delta averaged over the rates item by item, mean ± s.e. over items; the
+    best of a column in bold, the direction per mode), verdicts counted over the rates."""
+    blank = {"rate": "", "value_full": 0.0, "value": "", "delta": "", "correct": 1, "tokens": 9,
+             "hit1": "", "hit5": "", "rank": "", "rank_all": "", "seconds": "",
+             "intervention": "", "mode": ""}  # fmt: skip
+    rows = []
+    for item in range(4):
+        for name, base, hit in (("flow", 2.0, int(item < 3)), ("input_x_gradient", 1.0, 0)):
+            rows.append({**blank, "item": item, "kind": "hit", "measure": name, "hit1": hit,
+                         "hit5": 1, "rank": 1 if hit else 3, "rank_all": 1 if hit else 3,
+                         "seconds": 0.5})  # fmt: skip
+            for mode in ("comprehensiveness", "sufficiency", "insertion"):
+                for rate in (0.1, 0.5):
+                    delta = base + item + rate + (0.2 * item * rate if name == "flow" else 0)
+                    rows.append({**blank, "item": item, "kind": "curve", "measure": name,
+                                 "intervention": "key_mask", "mode": mode, "rate": rate,
+                                 "delta": delta})  # fmt: skip
+    result = AttributionEvalResult(AttributionEvalResult.frame(rows), {"task": "induction"})
+    result.write_summary(tmp_path)
+    text = (tmp_path / "tables.md").read_text()
+    assert text == result.markdown() + "\n"
+    assert text.startswith("# attribution-eval: induction, ?, 4 items of ? tokens")
+    hits = [line for line in text.splitlines() if line.startswith("| flow | 4 |")]
+    assert hits == ["| flow | 4 | 0.75 ± 0.25 | 1.00 ± 0.00 | 1.5 | 0.75 | 0.5 |"]
+    # flow's area: items' means over the rates are 2.3 + 1.06 k (k = 0..3): 3.89 ± 0.68
+    areas = [line for line in text.splitlines() if line.startswith("| flow | ") and "±" in line]
+    assert areas[-1] == "| flow | **3.89 ± 0.68** | 3.89 ± 0.68 | 3.89 ± 0.68 |"
+    ixg = [line for line in text.splitlines() if line.startswith("| input_x_gradient | ")]
+    assert "| input_x_gradient | 2.80 ± 0.65 | **2.80 ± 0.65** | **2.80 ± 0.65** |" in ixg
+    verdicts = [line for line in text.splitlines() if line.count(" / ") == 6]
+    assert len(verdicts) == 1 and verdicts[0].startswith("| input_x_gradient |")
+    cells = verdicts[0].strip("| ").split(" | ")[1:]
+    counts = [sum(map(int, cell.split(" / "))) for cell in cells]
+    assert counts == [2, 2, 2]  # each cell counts the two rates
+    assert "| flow | input_x_gradient | 4 | 3 | 0 | 0.75 / 0.00 |" in text

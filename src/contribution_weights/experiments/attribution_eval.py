@@ -560,9 +560,131 @@ class AttributionEvalResult(RowsResult):
             parts.append(frame)
         return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
 
+    def areas(self) -> pd.DataFrame:
+        """Per (ranking, intervention, mode): the area over the curve item by item (its
+        delta averaged over the rates), then mean, s.e. and n over the items."""
+        c = self.curves
+        if c.empty:
+            return pd.DataFrame(columns=["measure", "intervention", "mode", "n", "mean", "se"])
+        per_item = _pool_seeds(c, ["delta"], ["intervention", "mode", "rate"])
+        keys = ["measure", "intervention", "mode"]
+        area = per_item.groupby([*keys, "item"], sort=False)["delta"].mean()
+        return (
+            area.groupby(level=keys, sort=False).agg(n="count", mean="mean", se="sem").reset_index()
+        )
+
+    def markdown(self) -> str:
+        """The run's tables as Markdown (``tables.md``): hits on known-answer tasks, the
+        areas over the curves, the paired verdicts counted over the rates, McNemar on
+        top-1. Rankings by their registered names; numbers as in the CSV files."""
+        cfg = self.config
+        n_items = self.all_rows["item"].nunique() if not self.all_rows.empty else 0
+        title = (
+            f"# attribution-eval: {cfg.get('task', '?')}, {cfg.get('model', '?')}, "
+            f"{n_items} items of {cfg.get('tokens', '?')} tokens"
+        )
+        parts = [title, ""]
+        hits = self.hits
+        if not hits.empty:
+            pooled = _pool_seeds(hits, ["hit1", "hit5", "rank", "rank_all", "seconds"])
+            table = pooled.groupby("measure", sort=False).agg(
+                n=("item", "count"), top1=("hit1", "mean"), top1_se=("hit1", "sem"),
+                top5=("hit5", "mean"), top5_se=("hit5", "sem"), rank=("rank", "mean"),
+                top1_all=("rank_all", _share_first), seconds=("seconds", "mean"),
+            ).sort_values("top1", ascending=False, kind="stable")  # fmt: skip
+            parts += [
+                "## Hits: the known source first (top-1) or among the first five (top-5)",
+                "",
+                "Rates ± s.e. over the items; mean rank of the source among the candidates; "
+                "`top1_all`: first among all positions, token 0 competing; seconds per item.",
+                "",
+                "| ranking | n | top-1 | top-5 | mean rank | top1_all | s / item |",
+                "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+            ]
+            for name, r in table.iterrows():
+                parts.append(
+                    f"| {name} | {int(r.n)} | {r.top1:.2f} ± {_num(r.top1_se)} | "
+                    f"{r.top5:.2f} ± {_num(r.top5_se)} | {_num(r['rank'], 3)} | "
+                    f"{_num(r.top1_all)} | {_num(r.seconds, 3)} |"
+                )
+            parts.append("")
+        areas = self.areas()
+        columns = [(how, mode) for how in dict.fromkeys(areas["intervention"]) for mode in MODES]
+        if not areas.empty:
+            cell = {(r.measure, r.intervention, r.mode): r for r in areas.itertuples()}
+            best = {}
+            for how, mode in columns:
+                means = areas[(areas["intervention"] == how) & (areas["mode"] == mode)]["mean"]
+                best[(how, mode)] = means.max() if mode == "comprehensiveness" else means.min()
+            parts += [
+                "## Areas over the curves",
+                "",
+                "delta = log P(answer | full) − log P(answer | edited), averaged over the "
+                "rates item by item; mean ± s.e. over the items. Comprehensiveness: higher "
+                "is more faithful; sufficiency and insertion: lower is. Bold: the best mean "
+                "of a column (not a test; the verdicts are below).",
+                "",
+                "| ranking | " + " | ".join(f"{m} ({h})" for h, m in columns) + " |",
+                "| --- |" + " ---: |" * len(columns),
+            ]
+            for name in dict.fromkeys(areas["measure"]):
+                cells = []
+                for how, mode in columns:
+                    r = cell.get((name, how, mode))
+                    if r is None:
+                        cells.append("")
+                        continue
+                    text = f"{r.mean:.2f} ± {_num(r.se)}"
+                    cells.append(f"**{text}**" if r.mean == best[(how, mode)] else text)
+                parts.append(f"| {name} | " + " | ".join(cells) + " |")
+            parts.append("")
+        paired = self.paired()
+        if not paired.empty:
+            parts += [
+                "## Paired verdicts on the curves",
+                "",
+                "Reference − other per rate (`paired.csv`: bootstrap 95% intervals, Holm over "
+                "each reference's family): *better / tie / worse* for the reference, counted "
+                "over the rates.",
+                "",
+            ]
+            for ref, group in paired.groupby("reference", sort=False):
+                parts += [
+                    f"**{ref}** against",
+                    "",
+                    "| other | " + " | ".join(f"{m} ({h})" for h, m in columns) + " |",
+                    "| --- |" + " ---: |" * len(columns),
+                ]
+                for other, g in group.groupby("other", sort=False):
+                    cells = []
+                    for how, mode in columns:
+                        v = g[(g["intervention"] == how) & (g["mode"] == mode)]["verdict"]
+                        counts = [int((v == k).sum()) for k in VERDICTS]
+                        cells.append(" / ".join(map(str, counts)) if len(v) else "")
+                    parts.append(f"| {other} | " + " | ".join(cells) + " |")
+                parts.append("")
+        mcnemar = self.hits_paired()
+        if not mcnemar.empty:
+            parts += [
+                "## Top-1 hits, paired (exact McNemar, Holm over each reference's family)",
+                "",
+                "| reference | other | n | only the reference | only the other | top-1 "
+                "(reference / other) | p (Holm) | verdict |",
+                "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",
+            ]
+            for r in mcnemar.itertuples():
+                parts.append(
+                    f"| {r.reference} | {r.other} | {r.n} | {r.b} | {r.c} | "
+                    f"{r.reference_top1:.2f} / {r.other_top1:.2f} | {r.p_holm:.2g} | {r.verdict} |"
+                )
+            parts.append("")
+        return "\n".join(parts)
+
     def write_summary(self, folder: Path) -> None:
-        """The summary, the curves and the paired statistics (written when a run ends)."""
+        """The summary, the curves, the paired statistics and ``tables.md`` (written when
+        a run ends)."""
         super().write_summary(folder)
+        (Path(folder) / "tables.md").write_text(self.markdown() + "\n")
         write_csv(Path(folder) / "curves.csv", self.curve_table())
         write_csv(Path(folder) / "paired.csv", self.paired())
         hits, path = self.hits_paired(), Path(folder) / "hits_paired.csv"
@@ -592,6 +714,18 @@ def _rank_fields(rank: int, rank_all: float) -> dict[str, float]:
     positions (NaN where not defined)."""
     return {"rank": float(rank), "hit1": float(rank == 1), "hit5": float(rank <= 5),
             "rank_all": float(rank_all)}  # fmt: skip
+
+
+#: a paired verdict, from the reference's side
+VERDICTS = ("reference better", "tie", "other better")
+
+
+def _num(value: float, digits: int = 2) -> str:
+    """A number for a table: fixed ``digits`` decimals, 3 significant for ``digits=3``
+    (ranks, seconds), a dash where it is not defined."""
+    if value != value:  # NaN
+        return "–"
+    return f"{value:.3g}" if digits == 3 else f"{value:.{digits}f}"
 
 
 def _pool_seeds(rows: pd.DataFrame, values: list[str], keys: Sequence[str] = ()) -> pd.DataFrame:
