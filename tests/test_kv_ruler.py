@@ -281,6 +281,14 @@ def test_kv_eval_runs_a_ruler_task_in_both_settings_and_resumes(
         assert (tmp_path / "run" / name).exists(), name
     ranking = first.ranking()
     assert set(ranking["method"]) == {"h2o", "snapkv"} and set(ranking["ratio"]) == {0.5}
+    # tables.md: a section per (task, setting), a row per method from the ranking
+    tables = (tmp_path / "run" / "tables.md").read_text()
+    assert tables == first.markdown() + "\n"
+    assert "## niah_single, query_agnostic" in tables and "## niah_single, query_aware" in tables
+    for r in ranking.itertuples():
+        row = f"| `{r.method}` | {r.mean:.2f} ± {r.se:.2f} | {r.wins} / {r.losses} |"
+        assert row in tables, row
+    assert tables.count("Uncompressed: ") == 2 and tables.count("MiB kept") == 2
     figure = plot(first)
     titles = {ax.get_title() for ax in figure.axes if ax.get_title()}
     assert titles == {"niah_single · query-agnostic · n=2", "niah_single · query-aware · n=2"}

@@ -103,15 +103,71 @@ class KVEvalResult(RowsResult):
         :meth:`pairs` (``pairs``, that table when the caller has it)."""
         return method_ranking(self.per_item, self.config["task"], pairs)
 
+    def markdown(self, ranking: pd.DataFrame | None = None) -> str:
+        """The run's tables as Markdown (``tables.md``): per task (and RULER setting) the
+        uncompressed metric, each method's mean ± s.e. per ratio (ordered by the first
+        ratio, best first) with the methods it beats / loses to over the ratios
+        (:meth:`ranking`, given as ``ranking`` when the caller has it), and the cost."""
+        task = self.config["task"]
+        metric = METRIC[task]
+        higher = HIGHER_IS_BETTER[metric]
+        digits = 2 if metric == "accuracy" else 3
+        ranking = self.ranking() if ranking is None else ranking
+        parts = [
+            f"# kv-eval: {task}, {self.config.get('model', '?')}",
+            "",
+            f"{metric} ({'higher' if higher else 'lower'} is better): mean ± s.e. over the "
+            "items per ratio of the cache evicted; wins / losses: the other methods a "
+            "method beats / loses to item by item (Holm per ratio), summed over the ratios.",
+            "",
+        ]
+        if ranking.empty:
+            return "\n".join([*parts, "No complete item yet."])
+        summary = self.summary.assign(
+            setting=self.summary.get("setting", pd.Series("", index=self.summary.index))
+        ).fillna({"setting": ""})
+        ranking = ranking.fillna({"setting": ""})
+        for (name, setting), g in ranking.groupby(["task", "setting"], sort=False):
+            mine = summary[(summary["task"] == name) & (summary["setting"] == setting)]
+            parts += [f"## {name}" + (f", {setting}" if setting else ""), ""]
+            plain = mine[mine["method"] == NO_COMPRESSION]
+            if not plain.empty:
+                r = plain.iloc[0]
+                mean, se = r[f"{metric}_mean"], r[f"{metric}_se"]
+                parts += [f"Uncompressed: {mean:.{digits}f} ± {se:.{digits}f} (n = {r.n}).", ""]
+            ratios = sorted(g["ratio"].unique())
+            cell = {(r.method, r.ratio): r for r in g.itertuples()}
+            first = g[g["ratio"] == ratios[0]].set_index("method")["mean"]
+            order = sorted(first.index, key=lambda m: (-first[m] if higher else first[m], m))
+            parts += [
+                "| method | " + " | ".join(f"{x:g}" for x in ratios) + " | wins / losses |",
+                "| --- |" + " ---: |" * (len(ratios) + 1),
+            ]
+            for method in order:
+                rows = [cell[(method, x)] for x in ratios if (method, x) in cell]
+                cells = [
+                    f"{cell[(method, x)].mean:.{digits}f} ± {cell[(method, x)].se:.{digits}f}"
+                    if (method, x) in cell else ""
+                    for x in ratios
+                ]  # fmt: skip
+                wins, losses = sum(int(r.wins) for r in rows), sum(int(r.losses) for r in rows)
+                parts.append(f"| `{method}` | " + " | ".join(cells) + f" | {wins} / {losses} |")
+            parts.append("")
+            if "kept_mib" in mine and "compress_s" in mine:
+                parts += [_cost_line(mine, ratios), ""]
+        return "\n".join(parts)
+
     def write_summary(self, folder: Path) -> None:
         """``summary.csv``, ``summary_paired.csv``, ``summary_pairs.csv``,
-        ``summary_ranking.csv`` (and ``summary_depth.csv`` for passkey and ruler); the
-        runner's hook at the end of a run."""
+        ``summary_ranking.csv`` (and ``summary_depth.csv`` for passkey and ruler) and
+        ``tables.md``; the runner's hook at the end of a run."""
         super().write_summary(folder)
         write_csv(Path(folder) / SUMMARY_PAIRED, self.paired())
         pairs = self.pairs()
         write_csv(Path(folder) / SUMMARY_PAIRS, pairs)
-        write_csv(Path(folder) / SUMMARY_RANKING, self.ranking(pairs))
+        ranking = self.ranking(pairs)
+        write_csv(Path(folder) / SUMMARY_RANKING, ranking)
+        (Path(folder) / "tables.md").write_text(self.markdown(ranking) + "\n")
         if self.config["task"] in ("passkey", "ruler"):
             write_csv(Path(folder) / SUMMARY_DEPTH, self.by_depth())
 
@@ -125,6 +181,26 @@ class KVEvalResult(RowsResult):
         complete = rows_per_item[rows_per_item == rows_per_item.max()].index
         rows = per_item[per_item["item"].isin(complete)].reset_index(drop=True)
         return cls(rows, config, run_info)
+
+
+def _cost_line(summary: pd.DataFrame, ratios: Sequence[float]) -> str:
+    """What the methods keep and spend per ratio (means over items; a range over methods)."""
+
+    def span(values: pd.Series, fmt: str) -> str:
+        low, high = format(values.min(), fmt), format(values.max(), fmt)
+        return low if low == high else f"{low}-{high}"
+
+    plain = summary[summary["method"] == NO_COMPRESSION]
+    parts = []
+    for ratio in ratios:
+        g = summary[(summary["ratio"] == ratio) & (summary["method"] != NO_COMPRESSION)]
+        if not g.empty:
+            parts.append(
+                f"{ratio:g}: {span(g['kept_mib'], '.1f')} MiB kept, "
+                f"{span(g['compress_s'], '.2f')} s to score and evict"
+            )
+    kept = f" (uncompressed {plain['kept_mib'].mean():.1f} MiB)" if not plain.empty else ""
+    return "Cost per ratio (means over items, the range over methods): " + "; ".join(parts) + kept
 
 
 def summarise(per_item: pd.DataFrame, task: str, by: Sequence[str] = ()) -> pd.DataFrame:
