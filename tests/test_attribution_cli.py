@@ -306,6 +306,28 @@ def test_top_zero_is_refused_by_the_parser(capsys):
     assert stop.value.code == 2 and "--top: must be at least 1" in capsys.readouterr().err
 
 
+def test_resumed_options_keep_the_runs_own_and_say_only_what_differs():
+    """What ``--resume`` keeps from a folder and says: nothing said for a run made with the
+    defaults (``all`` is stored as its names); a boolean flag and an empty list that differ
+    are said as given; a folder of another experiment, or of other inputs, lends nothing."""
+    import argparse
+
+    from contribution_weights.cli.options import held_options, said_held
+    from contribution_weights.experiments.options import AttributionEvalOptions, KVEvalOptions
+
+    args = argparse.Namespace(out="run", resume=True, n=8)
+    held = {"experiment": "kv-eval", **KVEvalOptions(task="ruler").to_dict()}
+    kept = held_options(KVEvalOptions, args, held, {"task": "ruler"}, "kv-eval")
+    assert "methods" in kept and "n" not in kept and "task" not in kept  # given, fixed
+    assert said_held(KVEvalOptions, kept, {"task": "ruler"}) == ""
+    options = AttributionEvalOptions(protect_first=False, baselines="none", n=8)
+    held = {"experiment": "attribution-eval", **options.to_dict()}
+    kept = held_options(AttributionEvalOptions, args, held, {}, "attribution-eval")
+    assert said_held(AttributionEvalOptions, kept) == "--baselines none --no-sink-protection"
+    assert held_options(AttributionEvalOptions, args, held, {}, "kv-eval") == {}
+    assert held_options(AttributionEvalOptions, args, held, {"task": "lookup"}, "") == {}
+
+
 def test_attribution_eval_adds_a_method_to_a_finished_run(folder, tmp_path, monkeypatch, capsys):
     """``cw attribution-eval --resume --add-methods direct`` on a finished run: the new
     method's rows in their own file and in the printed summary; a method the run has is

@@ -236,7 +236,7 @@ def run(args: argparse.Namespace, spec: ExperimentSpec) -> int:
     check_out_dir(args.out)  # before the data and the model load
     check_run_folder(args.out, args.resume)
     fixed = inputs.options(args) if hasattr(inputs, "options") else {}
-    kept = resumed_options(spec.options, args, fixed)
+    kept = resumed_options(spec.options, args, fixed, spec.name)
     options = options_from_args(spec.options, args, **kept, **fixed)  # fail before loading
     try:
         data, source, extra = inputs.read(args)

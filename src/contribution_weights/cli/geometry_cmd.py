@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     check_out_dir(args.out)  # before the data and the model load
     check_run_folder(args.out, args.resume)
     analyses = resolve_analyses(args.only)
-    kept = resumed_options(GeometryOptions, args, {})
+    kept = resumed_options(GeometryOptions, args, {}, "geometry")
     options = options_from_args(GeometryOptions, args, **kept)  # bad options fail before loading
     try:
         texts, source = load_corpus(args)

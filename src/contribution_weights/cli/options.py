@@ -122,12 +122,20 @@ def options_from_args(cls: type[T], args: argparse.Namespace, **extra: Any) -> T
 
 
 def held_options(
-    cls: type, args: argparse.Namespace, held: dict[str, Any] | None, fixed: dict[str, Any]
+    cls: type,
+    args: argparse.Namespace,
+    held: dict[str, Any] | None,
+    fixed: dict[str, Any],
+    experiment: str = "",
 ) -> dict[str, Any]:
     """The options a resumed run keeps: the values in its config (``held``) of the flags
     not given now (nor ``fixed`` by the inputs), so that ``--out DIR --resume`` continues
-    the run in DIR as it was started, whatever the defaults are now."""
-    if not held:
+    the run in DIR as it was started, whatever the defaults are now. Nothing is kept from
+    a folder that holds another experiment's run (``experiment``) or a run whose inputs
+    set other values (``fixed``): the run's own check then names what differs."""
+    if not held or (experiment and held.get("experiment", experiment) != experiment):
+        return {}
+    if any(name in held and held[name] != value for name, value in fixed.items()):
         return {}
     return {
         f.name: held[f.name]
@@ -137,35 +145,51 @@ def held_options(
     }  # fmt: skip
 
 
-def said_held(cls: type, kept: dict[str, Any]) -> str:
-    """The options taken from a resumed run that differ from today's defaults, as flags
-    (``"--methods flow,rollout --n 32"``; empty when none differs)."""
-    defaults = {f.name: f for f in dataclasses.fields(cls)}
+def said_held(cls: type, kept: dict[str, Any], fixed: dict[str, Any] | None = None) -> str:
+    """The options taken from a resumed run that differ from today's defaults (as the
+    options store them: ``all`` as the names it stands for), as flags (``"--methods
+    flow,rollout --n 32"``; an empty list as ``none``; empty when none differs)."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    try:
+        defaults = cls(**(fixed or {})).to_dict()
+    except (TypeError, ValueError):  # defaults that need other values: as declared
+        defaults = {
+            name: list(d) if isinstance(d := _declared(f), tuple) else d
+            for name, f in fields.items()
+        }
     parts = []
     for name, value in kept.items():
-        f = defaults[name]
-        default = f.default_factory() if callable(f.default_factory) else f.default
-        if isinstance(default, tuple):
-            default = list(default)
-        if value == default:
+        f = fields[name]
+        if value == defaults.get(name):
             continue
         if f.metadata["parse"] in ("flag", "no-flag"):  # differs: the flag was given
             parts.append(f.metadata["flag"])
             continue
-        shown = ",".join(map(str, value)) if isinstance(value, list) else str(value)
+        if isinstance(value, list):
+            shown = ",".join(map(str, value)) or "none"
+        else:
+            shown = "none" if value is None else str(value)
         parts.append(f"{f.metadata['flag']} {shown}")
     return " ".join(parts)
 
 
-def resumed_options(cls: type, args: argparse.Namespace, fixed: dict[str, Any]) -> dict[str, Any]:
-    """With ``--resume`` on a folder that holds a run: :func:`held_options`, and a line on
-    standard error naming those that differ from today's defaults."""
+def _declared(f: dataclasses.Field[Any]) -> Any:
+    """A field's declared default."""
+    return f.default_factory() if callable(f.default_factory) else f.default
+
+
+def resumed_options(
+    cls: type, args: argparse.Namespace, fixed: dict[str, Any], experiment: str
+) -> dict[str, Any]:
+    """With ``--resume`` on a folder that holds a run of ``experiment``:
+    :func:`held_options`, and a line on standard error naming those that differ from
+    today's defaults."""
     from ..runs import RunFolder
     from .common import notice
 
     held = RunFolder.held_config(args.out) if getattr(args, "resume", False) else None
-    kept = held_options(cls, args, held, fixed)
-    said = said_held(cls, kept)
+    kept = held_options(cls, args, held, fixed, experiment)
+    said = said_held(cls, kept, fixed)
     if said:
         notice(f"resuming the run in {args.out} with its options: {said}")
     return kept
