@@ -675,3 +675,22 @@ def test_new_methods_are_registered_and_run_in_kv_eval(tmp_path: Any, capsys: An
     out = _kv_eval_cli(tmp_path, ",".join(NEW_METHODS), capsys)
     rows = pd.read_csv(out / "per_item.csv")
     assert set(rows["method"]) == {"none", *NEW_METHODS}
+
+
+def test_tables_md_shows_an_uncompressed_only_run_and_undefined_errors_as_dashes():
+    """``KVEvalResult.markdown``: a run of ratio 0 only still shows its uncompressed
+    accuracy; one item has no standard error (a dash, not "nan"); methods best first."""
+    from contribution_weights.experiments.kv_eval import KVEvalResult
+
+    def result(cases: list[tuple[str, float, float]]) -> KVEvalResult:
+        rows = [{"item": 0, "task": "passkey", "method": m, "ratio": x, "depth": 0.1,
+                 "accuracy": a, "answer_nll": 0.1, "first_token_kept": 1.0, "prefill_s": 1.0}
+                for m, x, a in cases]  # fmt: skip
+        return KVEvalResult(KVEvalResult.frame(rows), {"task": "passkey", "model": "tiny"})
+
+    alone = result([("none", 0.0, 1.0)]).markdown()
+    assert "Uncompressed: 1.00 ± – (n = 1)." in alone and "| method |" not in alone
+    both = result([("none", 0.0, 1.0), ("h2o", 0.5, 0.0), ("snapkv", 0.5, 1.0)]).markdown()
+    lines = [line for line in both.splitlines() if line.startswith("| `")]
+    assert lines == ["| `snapkv` | 1.00 ± – | 0 / 0 |", "| `h2o` | 0.00 ± – | 0 / 0 |"]
+    assert "nan" not in both

@@ -68,7 +68,8 @@ METHODS: Registry[AttributionMethod] = Registry(
 
 def register_attribution_method(method: AttributionMethod) -> AttributionMethod:
     """Add (or replace) an attribution method; a signed one brings its magnitude twin
-    ``NAME_abs`` (a method replaced by an unsigned one of its name loses its twin)."""
+    ``NAME_abs``, registered right after it (replacing any method of that name); a method
+    replaced by an unsigned one of its name loses its twin."""
     twin = f"{method.name}_abs"
     if twin in METHODS and METHODS.get(twin).absolute_of == method.name:
         METHODS.unregister(twin)

@@ -53,8 +53,16 @@ from ..attribution.tasks import KNOWN_ANSWER, Item, make_item, text_item
 from ..loading import LoadedModel
 from ..runs import fingerprint
 from .options import AttributionEvalOptions
-from .paired import holm, mcnemar_p, paired_differences, seeds_as_random
-from .result import RowsResult, read_csv, typed_frame, write_csv
+from .paired import (
+    OTHER_BETTER,
+    REFERENCE_BETTER,
+    TIE,
+    holm,
+    mcnemar_p,
+    paired_differences,
+    seeds_as_random,
+)
+from .result import RowsResult, read_csv, shown, typed_frame, write_csv
 from .runner import Experiment, Phase, SkipUnit, run_experiment
 
 MODES = ("comprehensiveness", "sufficiency", "insertion")
@@ -474,18 +482,25 @@ class AttributionEvalResult(RowsResult):
         aopc = table.groupby(["measure", "intervention", "mode"], sort=False)["mean"].mean()
         for (measure, how, mode), value in aopc.items():
             out.setdefault(str(measure), {})[f"{mode}_{how}"] = float(value)
-        hits = self.hits
-        if not hits.empty:
-            hits = _pool_seeds(hits, ["hit1", "hit5", "rank", "rank_all", "seconds"])
-            agg = hits.groupby("measure", sort=False).agg(
-                n=("item", "count"), top1=("hit1", "mean"), top5=("hit5", "mean"),
-                rank=("rank", "mean"), top1_all=("rank_all", _share_first),
-                seconds=("seconds", "mean"),
-            )  # fmt: skip
-            for measure, r in agg.iterrows():
+        agg = self.hit_table()
+        if not agg.empty:
+            for measure, r in agg.drop(columns=["top1_se", "top5_se"]).iterrows():
                 out.setdefault(str(measure), {}).update({k: float(v) for k, v in r.items()})
         frame = pd.DataFrame([{"measure": m, **v} for m, v in out.items()])
         return frame
+
+    def hit_table(self) -> pd.DataFrame:
+        """Per ranking (the index; random seeds pooled per item): n, top-1 and top-5 hit
+        rates with their s.e., mean rank, ``top1_all`` and seconds per item."""
+        hits = self.hits
+        if hits.empty:
+            return pd.DataFrame()
+        hits = _pool_seeds(hits, ["hit1", "hit5", "rank", "rank_all", "seconds"])
+        return hits.groupby("measure", sort=False).agg(
+            n=("item", "count"), top1=("hit1", "mean"), top5=("hit5", "mean"),
+            rank=("rank", "mean"), top1_all=("rank_all", _share_first),
+            seconds=("seconds", "mean"), top1_se=("hit1", "sem"), top5_se=("hit5", "sem"),
+        )  # fmt: skip
 
     def families(self, measures: Sequence[str]) -> list[tuple[str, list[str]]]:
         """The paired comparisons as Holm families, ``(reference, others)``, among the
@@ -553,8 +568,8 @@ class AttributionEvalResult(RowsResult):
                 continue
             frame["p_holm"] = holm(frame["p"].to_numpy(float))
             frame["verdict"] = [
-                "tie" if not r.p_holm < 0.05 else
-                ("reference better" if r.b > r.c else "other better")
+                TIE if not r.p_holm < 0.05 else
+                (REFERENCE_BETTER if r.b > r.c else OTHER_BETTER)
                 for r in frame.itertuples()
             ]  # fmt: skip
             parts.append(frame)
@@ -584,14 +599,9 @@ class AttributionEvalResult(RowsResult):
             f"{n_items} items of {cfg.get('tokens', '?')} tokens"
         )
         parts = [title, ""]
-        hits = self.hits
-        if not hits.empty:
-            pooled = _pool_seeds(hits, ["hit1", "hit5", "rank", "rank_all", "seconds"])
-            table = pooled.groupby("measure", sort=False).agg(
-                n=("item", "count"), top1=("hit1", "mean"), top1_se=("hit1", "sem"),
-                top5=("hit5", "mean"), top5_se=("hit5", "sem"), rank=("rank", "mean"),
-                top1_all=("rank_all", _share_first), seconds=("seconds", "mean"),
-            ).sort_values("top1", ascending=False, kind="stable")  # fmt: skip
+        table = self.hit_table()
+        if not table.empty and table["top1"].notna().any():  # known-answer tasks
+            table = table.sort_values("top1", ascending=False, kind="stable")
             parts += [
                 "## Hits: the known source first (top-1) or among the first five (top-5)",
                 "",
@@ -603,10 +613,16 @@ class AttributionEvalResult(RowsResult):
             ]
             for name, r in table.iterrows():
                 parts.append(
-                    f"| {name} | {int(r.n)} | {r.top1:.2f} ± {_num(r.top1_se)} | "
-                    f"{r.top5:.2f} ± {_num(r.top5_se)} | {_num(r['rank'], 3)} | "
-                    f"{_num(r.top1_all)} | {_num(r.seconds, 3)} |"
+                    f"| {name} | {int(r.n)} | {shown(r.top1)} ± {shown(r.top1_se)} | "
+                    f"{shown(r.top5)} ± {shown(r.top5_se)} | {shown(r['rank'], '.3g')} | "
+                    f"{shown(r.top1_all)} | {shown(r.seconds, '.3g')} |"
                 )
+            parts.append("")
+        elif not table.empty:  # natural text: no source to find, the methods' seconds
+            parts += ["## Seconds per item", "", "| method | n | s / item |",
+                      "| --- | ---: | ---: |"]  # fmt: skip
+            for name, r in table.dropna(subset=["seconds"]).iterrows():
+                parts.append(f"| {name} | {int(r.n)} | {shown(r.seconds, '.3g')} |")
             parts.append("")
         areas = self.areas()
         columns = [(how, mode) for how in dict.fromkeys(areas["intervention"]) for mode in MODES]
@@ -634,7 +650,7 @@ class AttributionEvalResult(RowsResult):
                     if r is None:
                         cells.append("")
                         continue
-                    text = f"{r.mean:.2f} ± {_num(r.se)}"
+                    text = f"{r.mean:.2f} ± {shown(r.se)}"
                     cells.append(f"**{text}**" if r.mean == best[(how, mode)] else text)
                 parts.append(f"| {name} | " + " | ".join(cells) + " |")
             parts.append("")
@@ -716,16 +732,8 @@ def _rank_fields(rank: int, rank_all: float) -> dict[str, float]:
             "rank_all": float(rank_all)}  # fmt: skip
 
 
-#: a paired verdict, from the reference's side
-VERDICTS = ("reference better", "tie", "other better")
-
-
-def _num(value: float, digits: int = 2) -> str:
-    """A number for a table: fixed ``digits`` decimals, 3 significant for ``digits=3``
-    (ranks, seconds), a dash where it is not defined."""
-    if value != value:  # NaN
-        return "–"
-    return f"{value:.3g}" if digits == 3 else f"{value:.{digits}f}"
+#: the paired verdicts in the order tables.md counts them (better / tie / worse)
+VERDICTS = (REFERENCE_BETTER, TIE, OTHER_BETTER)
 
 
 def _pool_seeds(rows: pd.DataFrame, values: list[str], keys: Sequence[str] = ()) -> pd.DataFrame:

@@ -38,7 +38,7 @@ from ..runs import fingerprint
 from .options import KVEvalOptions
 from .paired import paired_differences, ranking_table
 from .result import SUMMARY as SUMMARY  # re-exported: the summary file
-from .result import RowsResult, warn_few_samples, write_csv
+from .result import RowsResult, shown, warn_few_samples, write_csv
 from .runner import Experiment, Phase, run_experiment
 
 TASKS = KV_TASKS
@@ -111,7 +111,6 @@ class KVEvalResult(RowsResult):
         task = self.config["task"]
         metric = METRIC[task]
         higher = HIGHER_IS_BETTER[metric]
-        digits = 2 if metric == "accuracy" else 3
         ranking = self.ranking() if ranking is None else ranking
         parts = [
             f"# kv-eval: {task}, {self.config.get('model', '?')}",
@@ -121,32 +120,36 @@ class KVEvalResult(RowsResult):
             "method beats / loses to item by item (Holm per ratio), summed over the ratios.",
             "",
         ]
-        if ranking.empty:
+        summary = self.summary
+        if summary.empty:
             return "\n".join([*parts, "No complete item yet."])
-        summary = self.summary.assign(
-            setting=self.summary.get("setting", pd.Series("", index=self.summary.index))
-        ).fillna({"setting": ""})
+        if "setting" not in summary:
+            summary = summary.assign(setting="")
+        summary = summary.fillna({"setting": ""})
+        ranking = ranking.assign(setting="") if "setting" not in ranking else ranking
         ranking = ranking.fillna({"setting": ""})
-        for (name, setting), g in ranking.groupby(["task", "setting"], sort=False):
-            mine = summary[(summary["task"] == name) & (summary["setting"] == setting)]
+        fmt = f".{2 if metric == 'accuracy' else 3}f"
+        for (name, setting), mine in summary.groupby(["task", "setting"], sort=False):
             parts += [f"## {name}" + (f", {setting}" if setting else ""), ""]
             plain = mine[mine["method"] == NO_COMPRESSION]
             if not plain.empty:
                 r = plain.iloc[0]
-                mean, se = r[f"{metric}_mean"], r[f"{metric}_se"]
-                parts += [f"Uncompressed: {mean:.{digits}f} ± {se:.{digits}f} (n = {r.n}).", ""]
+                mean, se = shown(r[f"{metric}_mean"], fmt), shown(r[f"{metric}_se"], fmt)
+                parts += [f"Uncompressed: {mean} ± {se} (n = {int(r.n)}).", ""]
+            g = ranking[(ranking["task"] == name) & (ranking["setting"] == setting)]
+            if g.empty:
+                continue
             ratios = sorted(g["ratio"].unique())
             cell = {(r.method, r.ratio): r for r in g.itertuples()}
-            first = g[g["ratio"] == ratios[0]].set_index("method")["mean"]
-            order = sorted(first.index, key=lambda m: (-first[m] if higher else first[m], m))
+
             parts += [
                 "| method | " + " | ".join(f"{x:g}" for x in ratios) + " | wins / losses |",
                 "| --- |" + " ---: |" * (len(ratios) + 1),
             ]
-            for method in order:
+            for method in _best_first(g, higher):
                 rows = [cell[(method, x)] for x in ratios if (method, x) in cell]
                 cells = [
-                    f"{cell[(method, x)].mean:.{digits}f} ± {cell[(method, x)].se:.{digits}f}"
+                    f"{shown(cell[(method, x)].mean, fmt)} ± {shown(cell[(method, x)].se, fmt)}"
                     if (method, x) in cell else ""
                     for x in ratios
                 ]  # fmt: skip
@@ -181,6 +184,18 @@ class KVEvalResult(RowsResult):
         complete = rows_per_item[rows_per_item == rows_per_item.max()].index
         rows = per_item[per_item["item"].isin(complete)].reset_index(drop=True)
         return cls(rows, config, run_info)
+
+
+def _best_first(ranking: pd.DataFrame, higher: bool) -> list[str]:
+    """The methods of one table (``ranking``'s rows of one task and setting), best first at
+    the smallest ratio each has, then by name; a method whose mean is undefined last."""
+    firsts = ranking.sort_values("ratio").groupby("method", sort=False)["mean"].first()
+
+    def key(method: str) -> tuple[float, str]:
+        mean = float(firsts[method])
+        return (float("inf") if mean != mean else -mean if higher else mean, method)
+
+    return sorted(firsts.index, key=key)
 
 
 def _cost_line(summary: pd.DataFrame, ratios: Sequence[float]) -> str:

@@ -196,6 +196,14 @@ def typed_frame(
     return frame.sort_values([key], kind="stable").reset_index(drop=True)
 
 
+def shown(value: float | None, fmt: str = ".2f") -> str:
+    """A number for a Markdown table (``tables.md``): ``format(value, fmt)``, a dash where it
+    is not defined (NaN: a standard error of one item, a rate with no rows)."""
+    if value is None or value != value:
+        return "–"
+    return format(value, fmt)
+
+
 def write_csv(path: Path, frame: pd.DataFrame) -> None:
     frame.to_csv(path, index=False)
 
