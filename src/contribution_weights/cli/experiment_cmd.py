@@ -40,7 +40,11 @@ MORE_TEXTS = (
 def add_run_arguments(p: argparse.ArgumentParser, batch_size: bool = True) -> None:
     """--out, --resume, (--batch-size) and the model arguments of an experiment."""
     p.add_argument("--out", type=Path, required=True, help="output folder")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in --out (options not given keep the run's values)",
+    )
     if batch_size:
         p.add_argument(
             "--batch-size", type=positive_int, default=None, help="rows per forward (default: auto)"

@@ -34,7 +34,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_options(p, GeometryOptions)
     p.add_argument("--out", type=Path, required=True, help="output folder")
-    p.add_argument("--resume", action="store_true", help="continue (or re-render) the run in --out")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue (or re-render) the run in --out (options not given keep the run's values)",
+    )
     add_model_arguments(p)
     p.set_defaults(func=run)
 
