@@ -62,7 +62,7 @@ from .paired import (
     paired_differences,
     seeds_as_random,
 )
-from .result import RowsResult, read_csv, shown, typed_frame, write_csv
+from .result import RowsResult, markdown_table, read_csv, shown, typed_frame, write_csv
 from .runner import Experiment, Phase, SkipUnit, run_experiment
 
 MODES = ("comprehensiveness", "sufficiency", "insertion")
@@ -589,112 +589,116 @@ class AttributionEvalResult(RowsResult):
         )
 
     def markdown(self) -> str:
-        """The run's tables as Markdown (``tables.md``): hits on known-answer tasks, the
-        areas over the curves, the paired verdicts counted over the rates, McNemar on
-        top-1. Rankings by their registered names; numbers as in the CSV files."""
+        """The run's tables as Markdown (``tables.md``): hits on known-answer tasks (the
+        seconds on natural text), the areas over the curves, the paired verdicts counted
+        over the rates, McNemar on top-1. Rankings by their registered names."""
         cfg = self.config
         n_items = self.all_rows["item"].nunique() if not self.all_rows.empty else 0
         title = (
             f"# attribution-eval: {cfg.get('task', '?')}, {cfg.get('model', '?')}, "
             f"{n_items} items of {cfg.get('tokens', '?')} tokens"
         )
-        parts = [title, ""]
-        table = self.hit_table()
-        if not table.empty and table["top1"].notna().any():  # known-answer tasks
-            table = table.sort_values("top1", ascending=False, kind="stable")
-            parts += [
-                "## Hits: the known source first (top-1) or among the first five (top-5)",
-                "",
-                "Rates ± s.e. over the items; mean rank of the source among the candidates; "
-                "`top1_all`: first among all positions, token 0 competing; seconds per item.",
-                "",
-                "| ranking | n | top-1 | top-5 | mean rank | top1_all | s / item |",
-                "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
-            ]
-            for name, r in table.iterrows():
-                parts.append(
-                    f"| {name} | {int(r.n)} | {shown(r.top1)} ± {shown(r.top1_se)} | "
-                    f"{shown(r.top5)} ± {shown(r.top5_se)} | {shown(r['rank'], '.3g')} | "
-                    f"{shown(r.top1_all)} | {shown(r.seconds, '.3g')} |"
-                )
-            parts.append("")
-        elif not table.empty:  # natural text: no source to find, the methods' seconds
-            parts += ["## Seconds per item", "", "| method | n | s / item |",
-                      "| --- | ---: | ---: |"]  # fmt: skip
-            for name, r in table.dropna(subset=["seconds"]).iterrows():
-                parts.append(f"| {name} | {int(r.n)} | {shown(r.seconds, '.3g')} |")
-            parts.append("")
         areas = self.areas()
         columns = [(how, mode) for how in dict.fromkeys(areas["intervention"]) for mode in MODES]
-        if not areas.empty:
-            cell = {(r.measure, r.intervention, r.mode): r for r in areas.itertuples()}
-            best = {}
+        parts = [title, "", *self._hits_md(), *self._areas_md(areas, columns)]
+        return "\n".join([*parts, *self._verdicts_md(columns), *self._mcnemar_md()])
+
+    def _hits_md(self) -> list[str]:
+        table = self.hit_table()
+        if table.empty:
+            return []
+        if table["top1"].isna().all():  # natural text: no source to find, the seconds
+            rows = [[str(name), str(int(r.n)), shown(r.seconds, ".3g")]
+                    for name, r in table.dropna(subset=["seconds"]).iterrows()]  # fmt: skip
+            return ["## Seconds per item", "", *markdown_table(["method", "n", "s / item"], rows)]
+        table = table.sort_values("top1", ascending=False, kind="stable")
+        rows = [
+            [str(name), str(int(r.n)), f"{shown(r.top1)} ± {shown(r.top1_se)}",
+             f"{shown(r.top5)} ± {shown(r.top5_se)}", shown(r["rank"], ".3g"),
+             shown(r.top1_all), shown(r.seconds, ".3g")]
+            for name, r in table.iterrows()
+        ]  # fmt: skip
+        head = ["ranking", "n", "top-1", "top-5", "mean rank", "top1_all", "s / item"]
+        return [
+            "## Hits: the known source first (top-1) or among the first five (top-5)",
+            "",
+            "Rates ± s.e. over the items; mean rank of the source among the candidates; "
+            "`top1_all`: first among all positions, token 0 competing; seconds per item.",
+            "",
+            *markdown_table(head, rows),
+        ]
+
+    @staticmethod
+    def _areas_md(areas: pd.DataFrame, columns: list[tuple[str, str]]) -> list[str]:
+        if areas.empty:
+            return []
+        cell = {(r.measure, r.intervention, r.mode): r for r in areas.itertuples()}
+        best = {}
+        for how, mode in columns:
+            means = areas[(areas["intervention"] == how) & (areas["mode"] == mode)]["mean"]
+            best[(how, mode)] = means.max() if mode == "comprehensiveness" else means.min()
+        rows = []
+        for name in dict.fromkeys(areas["measure"]):
+            cells = [str(name)]
             for how, mode in columns:
-                means = areas[(areas["intervention"] == how) & (areas["mode"] == mode)]["mean"]
-                best[(how, mode)] = means.max() if mode == "comprehensiveness" else means.min()
-            parts += [
-                "## Areas over the curves",
-                "",
-                "delta = log P(answer | full) − log P(answer | edited), averaged over the "
-                "rates item by item; mean ± s.e. over the items. Comprehensiveness: higher "
-                "is more faithful; sufficiency and insertion: lower is. Bold: the best mean "
-                "of a column (not a test; the verdicts are below).",
-                "",
-                "| ranking | " + " | ".join(f"{m} ({h})" for h, m in columns) + " |",
-                "| --- |" + " ---: |" * len(columns),
-            ]
-            for name in dict.fromkeys(areas["measure"]):
-                cells = []
-                for how, mode in columns:
-                    r = cell.get((name, how, mode))
-                    if r is None:
-                        cells.append("")
-                        continue
-                    text = f"{r.mean:.2f} ± {shown(r.se)}"
-                    cells.append(f"**{text}**" if r.mean == best[(how, mode)] else text)
-                parts.append(f"| {name} | " + " | ".join(cells) + " |")
-            parts.append("")
-        paired = self.paired()
-        if not paired.empty:
-            parts += [
-                "## Paired verdicts on the curves",
-                "",
-                "Reference − other per rate (`paired.csv`: bootstrap 95% intervals, Holm over "
-                "each reference's family): *better / tie / worse* for the reference, counted "
-                "over the rates.",
-                "",
-            ]
-            for ref, group in paired.groupby("reference", sort=False):
-                parts += [
-                    f"**{ref}** against",
-                    "",
-                    "| other | " + " | ".join(f"{m} ({h})" for h, m in columns) + " |",
-                    "| --- |" + " ---: |" * len(columns),
-                ]
-                for other, g in group.groupby("other", sort=False):
-                    cells = []
-                    for how, mode in columns:
-                        v = g[(g["intervention"] == how) & (g["mode"] == mode)]["verdict"]
-                        counts = [int((v == k).sum()) for k in VERDICTS]
-                        cells.append(" / ".join(map(str, counts)) if len(v) else "")
-                    parts.append(f"| {other} | " + " | ".join(cells) + " |")
-                parts.append("")
-        mcnemar = self.hits_paired()
-        if not mcnemar.empty:
-            parts += [
-                "## Top-1 hits, paired (exact McNemar, Holm over each reference's family)",
-                "",
-                "| reference | other | n | only the reference | only the other | top-1 "
-                "(reference / other) | p (Holm) | verdict |",
-                "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",
-            ]
-            for r in mcnemar.itertuples():
-                parts.append(
-                    f"| {r.reference} | {r.other} | {r.n} | {r.b} | {r.c} | "
-                    f"{r.reference_top1:.2f} / {r.other_top1:.2f} | {r.p_holm:.2g} | {r.verdict} |"
+                r = cell.get((name, how, mode))
+                text = "" if r is None else f"{r.mean:.2f} ± {shown(r.se)}"
+                cells.append(
+                    f"**{text}**" if r is not None and r.mean == best[(how, mode)] else text
                 )
-            parts.append("")
-        return "\n".join(parts)
+            rows.append(cells)
+        return [
+            "## Areas over the curves",
+            "",
+            "delta = log P(answer | full) − log P(answer | edited), averaged over the rates "
+            "item by item; mean ± s.e. over the items. Comprehensiveness: higher is more "
+            "faithful; sufficiency and insertion: lower is. Bold: the best mean of a column "
+            "(not a test; the verdicts are below).",
+            "",
+            *markdown_table(["ranking", *(f"{m} ({h})" for h, m in columns)], rows),
+        ]
+
+    def _verdicts_md(self, columns: list[tuple[str, str]]) -> list[str]:
+        paired = self.paired()
+        if paired.empty:
+            return []
+        out = [
+            "## Paired verdicts on the curves",
+            "",
+            "Reference − other per rate (`paired.csv`: bootstrap 95% intervals, Holm over each "
+            "reference's family): *better / tie / worse* for the reference, counted over the "
+            "rates.",
+            "",
+        ]
+        for ref, group in paired.groupby("reference", sort=False):
+            rows = []
+            for other, g in group.groupby("other", sort=False):
+                cells = [str(other)]
+                for how, mode in columns:
+                    v = g[(g["intervention"] == how) & (g["mode"] == mode)]["verdict"]
+                    counts = [int((v == k).sum()) for k in VERDICTS]
+                    cells.append(" / ".join(map(str, counts)) if len(v) else "")
+                rows.append(cells)
+            head = ["other", *(f"{m} ({h})" for h, m in columns)]
+            out += [f"**{ref}** against", "", *markdown_table(head, rows)]
+        return out
+
+    def _mcnemar_md(self) -> list[str]:
+        mcnemar = self.hits_paired()
+        if mcnemar.empty:
+            return []
+        rows = [
+            [r.reference, r.other, str(r.n), str(r.b), str(r.c),
+             f"{r.reference_top1:.2f} / {r.other_top1:.2f}", f"{r.p_holm:.2g}", r.verdict]
+            for r in mcnemar.itertuples()
+        ]  # fmt: skip
+        head = ["reference", "other", "n", "only the reference", "only the other",
+                "top-1 (reference / other)", "p (Holm)", "verdict"]  # fmt: skip
+        return [
+            "## Top-1 hits, paired (exact McNemar, Holm over each reference's family)",
+            "",
+            *markdown_table(head, rows, align="llrrrrrl"),
+        ]
 
     def write_summary(self, folder: Path) -> None:
         """The summary, the curves, the paired statistics and ``tables.md`` (written when

@@ -38,7 +38,7 @@ from ..runs import fingerprint
 from .options import KVEvalOptions
 from .paired import paired_differences, ranking_table
 from .result import SUMMARY as SUMMARY  # re-exported: the summary file
-from .result import RowsResult, shown, warn_few_samples, write_csv
+from .result import RowsResult, markdown_table, shown, warn_few_samples, write_csv
 from .runner import Experiment, Phase, run_experiment
 
 TASKS = KV_TASKS
@@ -141,21 +141,19 @@ class KVEvalResult(RowsResult):
                 continue
             ratios = sorted(g["ratio"].unique())
             cell = {(r.method, r.ratio): r for r in g.itertuples()}
-
-            parts += [
-                "| method | " + " | ".join(f"{x:g}" for x in ratios) + " | wins / losses |",
-                "| --- |" + " ---: |" * (len(ratios) + 1),
-            ]
+            table = []
             for method in _best_first(g, higher):
-                rows = [cell[(method, x)] for x in ratios if (method, x) in cell]
+                mine_rows = [cell[(method, x)] for x in ratios if (method, x) in cell]
                 cells = [
                     f"{shown(cell[(method, x)].mean, fmt)} ± {shown(cell[(method, x)].se, fmt)}"
                     if (method, x) in cell else ""
                     for x in ratios
                 ]  # fmt: skip
-                wins, losses = sum(int(r.wins) for r in rows), sum(int(r.losses) for r in rows)
-                parts.append(f"| `{method}` | " + " | ".join(cells) + f" | {wins} / {losses} |")
-            parts.append("")
+                wins = sum(int(r.wins) for r in mine_rows)
+                losses = sum(int(r.losses) for r in mine_rows)
+                table.append([f"`{method}`", *cells, f"{wins} / {losses}"])
+            head = ["method", *(f"{x:g}" for x in ratios), "wins / losses"]
+            parts += markdown_table(head, table)
             if "kept_mib" in mine and "compress_s" in mine:
                 parts += [_cost_line(mine, ratios), ""]
         return "\n".join(parts)

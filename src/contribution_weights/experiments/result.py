@@ -204,6 +204,17 @@ def shown(value: float | None, fmt: str = ".2f") -> str:
     return format(value, fmt)
 
 
+def markdown_table(
+    head: Sequence[str], rows: Sequence[Sequence[str]], align: str = ""
+) -> list[str]:
+    """A Markdown table's lines and a blank line after it; ``align`` a letter per column,
+    ``l`` or ``r`` (default: the first column left, the others right, for numbers)."""
+    align = align or "l" + "r" * (len(head) - 1)
+    rule = ["---:" if a == "r" else "---" for a in align]
+    lines = [head, rule, *rows]
+    return [*("| " + " | ".join(line) + " |" for line in lines), ""]
+
+
 def write_csv(path: Path, frame: pd.DataFrame) -> None:
     frame.to_csv(path, index=False)
 
