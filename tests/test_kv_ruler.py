@@ -277,7 +277,8 @@ def test_kv_eval_runs_a_ruler_task_in_both_settings_and_resumes(
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert config["settings"] == ["query_agnostic", "query_aware"]
     assert config["ruler_tasks"] == ["niah_single"]
-    for name in ("summary_depth.csv", "summary_pairs.csv", "summary_ranking.csv"):
+    for name in ("summary_depth.csv", "summary_pairs.csv", "summary_ranking.csv",
+                 "summary_vs_uncompressed.csv", "summary_settings.csv"):  # fmt: skip
         assert (tmp_path / "run" / name).exists(), name
     ranking = first.ranking()
     assert set(ranking["method"]) == {"h2o", "snapkv"} and set(ranking["ratio"]) == {0.5}
@@ -512,3 +513,31 @@ def test_items_at_4096_tokens_on_the_real_data(smollm2: Any, shared_data: Any) -
             if task in NIAH_SHAPE or task == "vt":
                 for got, want in zip(item.meta["depths"], item.meta["nominal_depths"], strict=True):
                     assert abs(got - want) < 0.05
+
+
+def test_methods_against_the_uncompressed_cache_and_the_settings_are_tested_item_by_item():
+    """``uncompressed_pairs``: method − uncompressed on the same items and setting, sign
+    test, Holm over methods × ratios of the setting, ``worse`` where lower; ``setting_pairs``:
+    query-aware − query-agnostic per method and ratio, ``better`` where higher."""
+    from contribution_weights.experiments.kv_eval import setting_pairs, uncompressed_pairs
+
+    rows = []
+    for item in range(12):
+        for setting in ("query_agnostic", "query_aware"):
+            common = {"item": item, "task": "niah_single", "setting": setting}
+            rows += [
+                {**common, "method": "none", "ratio": 0.0, "accuracy": 1.0},
+                {**common, "method": "snapkv", "ratio": 0.5,
+                 "accuracy": float(setting == "query_aware")},
+                {**common, "method": "h2o", "ratio": 0.5, "accuracy": float(item % 2)},
+            ]  # fmt: skip
+    versus = uncompressed_pairs(pd.DataFrame(rows), "ruler").set_index(["setting", "method"])
+    snap, h2o = versus.loc[("query_agnostic", "snapkv")], versus.loc[("query_agnostic", "h2o")]
+    assert snap["mean"] == -1 and snap["p"] == pytest.approx(2 * 0.5**12)
+    assert snap["p_holm"] == pytest.approx(2 * snap["p"])  # two comparisons in the setting
+    assert h2o["mean"] == -0.5 and h2o["p"] == pytest.approx(2 * 0.5**6)
+    assert snap["verdict"] == h2o["verdict"] == "worse"
+    assert versus.loc[("query_aware", "snapkv"), "verdict"] == "tie"  # no difference at all
+    settings = setting_pairs(pd.DataFrame(rows)).set_index("method")
+    assert settings.loc["snapkv", "mean"] == 1 and settings.loc["snapkv", "verdict"] == "better"
+    assert (settings.loc[["none", "h2o"], "verdict"] == "tie").all()

@@ -20,6 +20,7 @@ accuracy of the same task and setting uncompressed (``uncompressed_accuracy``).
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -36,7 +37,15 @@ from ..kv.ruler import RulerItem, ruler_items, ruler_scores
 from ..loading import LoadedModel
 from ..runs import fingerprint
 from .options import KVEvalOptions
-from .paired import paired_differences, ranking_table
+from .paired import (
+    ALPHA,
+    TESTS,
+    TIE,
+    bootstrap_interval,
+    holm,
+    paired_differences,
+    ranking_table,
+)
 from .result import SUMMARY as SUMMARY  # re-exported: the summary file
 from .result import RowsResult, markdown_table, shown, warn_few_samples, write_csv
 from .runner import Experiment, Phase, run_experiment
@@ -49,6 +58,8 @@ SUMMARY_DEPTH = "summary_depth.csv"
 SUMMARY_PAIRED = "summary_paired.csv"
 SUMMARY_PAIRS = "summary_pairs.csv"
 SUMMARY_RANKING = "summary_ranking.csv"
+SUMMARY_VERSUS = "summary_vs_uncompressed.csv"
+SUMMARY_SETTINGS = "summary_settings.csv"
 #: is a larger value of the task's metric better? And the paired test of two methods: the
 #: t-test for NLL, the exact sign test (McNemar's for 0/1) for accuracies, which take few
 #: values per item
@@ -97,21 +108,40 @@ class KVEvalResult(RowsResult):
         task and setting): see :func:`method_pairs`."""
         return method_pairs(self.per_item, self.config["task"])
 
+    def versus_uncompressed(self) -> pd.DataFrame:
+        """Each method and ratio against the uncompressed cache on the same items, tested
+        (:func:`uncompressed_pairs`)."""
+        return uncompressed_pairs(self.per_item, self.config["task"])
+
+    def settings(self) -> pd.DataFrame:
+        """RULER with both settings: query-aware − query-agnostic per task, method and
+        ratio, tested (:func:`setting_pairs`)."""
+        return setting_pairs(self.per_item) if self.config["task"] == "ruler" else pd.DataFrame()
+
     def ranking(self, pairs: pd.DataFrame | None = None) -> pd.DataFrame:
         """Per ratio (and RULER task and setting) and method: n, mean, s.e. and how many
         other methods it beats, loses to and ties with by the verdicts of
         :meth:`pairs` (``pairs``, that table when the caller has it)."""
         return method_ranking(self.per_item, self.config["task"], pairs)
 
-    def markdown(self, ranking: pd.DataFrame | None = None) -> str:
+    def markdown(
+        self,
+        ranking: pd.DataFrame | None = None,
+        versus: pd.DataFrame | None = None,
+        settings: pd.DataFrame | None = None,
+    ) -> str:
         """The run's tables as Markdown (``tables.md``): per task (and RULER setting) the
         uncompressed metric, each method's mean ± s.e. per ratio (ordered by the first
-        ratio, best first) with the methods it beats / loses to over the ratios
-        (:meth:`ranking`, given as ``ranking`` when the caller has it), and the cost."""
+        ratio, best first) with the methods it beats / loses to over the ratios, the
+        methods decided against the uncompressed cache, the cost; then the settings
+        compared (:meth:`ranking`, :meth:`versus_uncompressed`, :meth:`settings`, given
+        when the caller has them)."""
         task = self.config["task"]
         metric = METRIC[task]
         higher = HIGHER_IS_BETTER[metric]
         ranking = self.ranking() if ranking is None else ranking
+        versus = self.versus_uncompressed() if versus is None else versus
+        settings = self.settings() if settings is None else settings
         parts = [
             f"# kv-eval: {task}, {self.config.get('model', '?')}",
             "",
@@ -154,8 +184,17 @@ class KVEvalResult(RowsResult):
                 table.append([f"`{method}`", *cells, f"{wins} / {losses}"])
             head = ["method", *(f"{x:g}" for x in ratios), "wins / losses"]
             parts += markdown_table(head, table)
+            if not versus.empty:
+                mine_versus = versus.fillna({"setting": ""})
+                mine_versus = mine_versus[
+                    (mine_versus["task"] == name) & (mine_versus["setting"] == setting)
+                ]
+                parts += [_decided_line("Against the uncompressed cache", mine_versus, fmt), ""]
             if "kept_mib" in mine and "compress_s" in mine:
                 parts += [_cost_line(mine, ratios), ""]
+        for name, g in settings.groupby("task", sort=False) if not settings.empty else ():
+            line = _decided_line("The question in the observation window", g, fmt)
+            parts += [f"## {name}: query-aware − query-agnostic", "", line, ""]
         return "\n".join(parts)
 
     def write_summary(self, folder: Path) -> None:
@@ -168,7 +207,11 @@ class KVEvalResult(RowsResult):
         write_csv(Path(folder) / SUMMARY_PAIRS, pairs)
         ranking = self.ranking(pairs)
         write_csv(Path(folder) / SUMMARY_RANKING, ranking)
-        (Path(folder) / "tables.md").write_text(self.markdown(ranking) + "\n")
+        versus, settings = self.versus_uncompressed(), self.settings()
+        write_csv(Path(folder) / SUMMARY_VERSUS, versus)
+        if not settings.empty:
+            write_csv(Path(folder) / SUMMARY_SETTINGS, settings)
+        (Path(folder) / "tables.md").write_text(self.markdown(ranking, versus, settings) + "\n")
         if self.config["task"] in ("passkey", "ruler"):
             write_csv(Path(folder) / SUMMARY_DEPTH, self.by_depth())
 
@@ -182,6 +225,33 @@ class KVEvalResult(RowsResult):
         complete = rows_per_item[rows_per_item == rows_per_item.max()].index
         rows = per_item[per_item["item"].isin(complete)].reset_index(drop=True)
         return cls(rows, config, run_info)
+
+
+def _decided_line(what: str, frame: pd.DataFrame, fmt: str) -> str:
+    """One sentence on a table of tested differences (:func:`uncompressed_pairs`,
+    :func:`setting_pairs`): the decided ones, worse and better, else the largest tie."""
+
+    def said(r: Any) -> str:
+        signed = f"+{fmt}"
+        return (f"`{r.method}` at {r.ratio:g} ({shown(r.mean, signed)} "
+                f"[{shown(r.ci_low, signed)}, {shown(r.ci_high, signed)}], "
+                f"Holm p = {shown(r.p_holm, '.2g')})")  # fmt: skip
+
+    how = f"{what} ({'sign test' if fmt == '.2f' else 't-test'}, Holm over methods × ratios)"
+    worse = [said(r) for r in frame.itertuples() if r.verdict == WORSE]
+    better = [said(r) for r in frame.itertuples() if r.verdict == BETTER]
+    if len(worse) + len(better) > 12:  # most are decided: count them, name the ties
+        ties = [f"`{r.method}` at {r.ratio:g}" for r in frame.itertuples() if r.verdict == TIE]
+        return (f"{how}: of {len(frame)} (method, ratio) cases {len(worse)} worse, "
+                f"{len(better)} better, ties: {', '.join(ties) or 'none'}.")  # fmt: skip
+    if worse or better:
+        return (f"{how}: worse {'; '.join(worse) or 'nowhere'}; "
+                f"better {'; '.join(better) or 'nowhere'}.")  # fmt: skip
+    ties = frame.dropna(subset=["mean"])
+    if ties.empty:
+        return f"{how}: nothing to compare."
+    largest = next(ties.loc[[ties["mean"].abs().idxmax()]].itertuples())
+    return f"{how}: every difference a tie (the largest: {said(largest)})."
 
 
 def _best_first(ranking: pd.DataFrame, higher: bool) -> list[str]:
@@ -255,6 +325,86 @@ def paired_summary(per_item: pd.DataFrame, task: str) -> pd.DataFrame:
         return _ruler_order(out)[cols]
     out["task"] = task
     return out.sort_values(["ratio", "method"], kind="stable")[cols].reset_index(drop=True)
+
+
+#: a method's (or setting's) paired verdict against its baseline: the uncompressed cache
+#: (:func:`uncompressed_pairs`), query-agnostic (:func:`setting_pairs`)
+BETTER, WORSE = "better", "worse"
+VERSUS_COLUMNS = ["task", "setting", "method", "ratio", "n", "mean", "ci_low", "ci_high", "p",
+                  "p_holm", "verdict"]  # fmt: skip
+SETTINGS_COLUMNS = ["task", "method", "ratio", "n", "mean", "ci_low", "ci_high", "p", "p_holm",
+                    "verdict"]  # fmt: skip
+
+
+def _decided(frame: pd.DataFrame, family: Sequence[str], metric: str) -> pd.DataFrame:
+    """``frame`` (one row per comparison: ``d``, the paired differences, an array) with the
+    test (:data:`TEST` for ``metric``), a 95% bootstrap interval, Holm per ``family`` and
+    the verdict (better / worse / tie, from the side the differences are taken)."""
+    test = TESTS[TEST[metric]]
+    frame = frame.assign(
+        n=[d.size for d in frame["d"]],
+        mean=[float(d.mean()) if d.size else math.nan for d in frame["d"]],
+        ci=[bootstrap_interval(d) for d in frame["d"]],
+        p=[test(d) for d in frame["d"]],
+    )
+    frame["ci_low"] = [c[0] for c in frame["ci"]]
+    frame["ci_high"] = [c[1] for c in frame["ci"]]
+    frame["p_holm"] = math.nan
+    for _, g in frame.groupby(list(family), sort=False):
+        frame.loc[g.index, "p_holm"] = holm(g["p"].to_numpy(float))
+    higher = HIGHER_IS_BETTER[metric]
+    frame["verdict"] = [
+        TIE if not (r.p_holm < ALPHA and (r.ci_low > 0 or r.ci_high < 0))
+        else BETTER if (r.mean > 0) == higher else WORSE
+        for r in frame.itertuples()
+    ]  # fmt: skip
+    return frame.drop(columns=["d", "ci"])
+
+
+def uncompressed_pairs(per_item: pd.DataFrame, task: str) -> pd.DataFrame:
+    """Each method and ratio against the uncompressed cache on the same items (and RULER
+    setting): method − uncompressed, bootstrap interval, the paired test of the metric
+    (sign test for accuracy, t-test for NLL), Holm over methods × ratios per task and
+    setting; ``better`` / ``worse`` / ``tie`` for the method (:data:`VERSUS_COLUMNS`)."""
+    metric = METRIC[task]
+    if per_item.empty or NO_COMPRESSION not in set(per_item["method"]):
+        return pd.DataFrame(columns=VERSUS_COLUMNS)
+    rows = per_item.assign(
+        task=per_item.get("task", task),
+        setting=per_item["setting"].fillna("") if "setting" in per_item else "",
+    )
+    out = []
+    for (name, setting), g in rows.groupby(["task", "setting"], sort=False):
+        base = g[g["method"] == NO_COMPRESSION].set_index("item")[metric].astype(float)
+        for (method, ratio), h in g[g["method"] != NO_COMPRESSION].groupby(
+            ["method", "ratio"], sort=False
+        ):
+            d = (h.set_index("item")[metric].astype(float) - base).dropna().to_numpy()
+            out.append({"task": name, "setting": setting, "method": method, "ratio": ratio,
+                        "d": d})  # fmt: skip
+    if not out:
+        return pd.DataFrame(columns=VERSUS_COLUMNS)
+    return _decided(pd.DataFrame(out), ["task", "setting"], metric)[VERSUS_COLUMNS]
+
+
+def setting_pairs(per_item: pd.DataFrame) -> pd.DataFrame:
+    """RULER with both settings: per task, method and ratio, query-aware − query-agnostic
+    on the same items (the uncompressed cache too), as :func:`uncompressed_pairs` tests
+    them; Holm over methods × ratios per task; ``better`` when query-aware is
+    (:data:`SETTINGS_COLUMNS`)."""
+    settings = {"query_agnostic", "query_aware"}
+    if per_item.empty or not settings <= set(per_item.get("setting", ())):
+        return pd.DataFrame(columns=SETTINGS_COLUMNS)
+    out = []
+    for (name, method, ratio), g in per_item.groupby(["task", "method", "ratio"], sort=False):
+        wide = g.pivot_table(index="item", columns="setting", values="accuracy")
+        if not settings <= set(wide.columns):
+            continue
+        d = (wide["query_aware"] - wide["query_agnostic"]).dropna().to_numpy(float)
+        out.append({"task": name, "method": method, "ratio": ratio, "d": d})
+    if not out:
+        return pd.DataFrame(columns=SETTINGS_COLUMNS)
+    return _decided(pd.DataFrame(out), ["task"], "accuracy")[SETTINGS_COLUMNS]
 
 
 PAIRS_COLUMNS = [
