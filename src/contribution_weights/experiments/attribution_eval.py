@@ -588,10 +588,15 @@ class AttributionEvalResult(RowsResult):
             area.groupby(level=keys, sort=False).agg(n="count", mean="mean", se="sem").reset_index()
         )
 
-    def markdown(self) -> str:
+    def markdown(
+        self, paired: pd.DataFrame | None = None, hits_paired: pd.DataFrame | None = None
+    ) -> str:
         """The run's tables as Markdown (``tables.md``): hits on known-answer tasks (the
         seconds on natural text), the areas over the curves, the paired verdicts counted
-        over the rates, McNemar on top-1. Rankings by their registered names."""
+        over the rates, McNemar on top-1 (:meth:`paired`, :meth:`hits_paired`, given when
+        the caller has them). Rankings by their registered names."""
+        paired = self.paired() if paired is None else paired
+        hits_paired = self.hits_paired() if hits_paired is None else hits_paired
         cfg = self.config
         n_items = self.all_rows["item"].nunique() if not self.all_rows.empty else 0
         title = (
@@ -601,7 +606,9 @@ class AttributionEvalResult(RowsResult):
         areas = self.areas()
         columns = [(how, mode) for how in dict.fromkeys(areas["intervention"]) for mode in MODES]
         parts = [title, "", *self._hits_md(), *self._areas_md(areas, columns)]
-        return "\n".join([*parts, *self._verdicts_md(columns), *self._mcnemar_md()])
+        return "\n".join(
+            [*parts, *self._verdicts_md(paired, columns), *self._mcnemar_md(hits_paired)]
+        )
 
     def _hits_md(self) -> list[str]:
         table = self.hit_table()
@@ -658,8 +665,8 @@ class AttributionEvalResult(RowsResult):
             *markdown_table(["ranking", *(f"{m} ({h})" for h, m in columns)], rows),
         ]
 
-    def _verdicts_md(self, columns: list[tuple[str, str]]) -> list[str]:
-        paired = self.paired()
+    @staticmethod
+    def _verdicts_md(paired: pd.DataFrame, columns: list[tuple[str, str]]) -> list[str]:
         if paired.empty:
             return []
         out = [
@@ -683,8 +690,8 @@ class AttributionEvalResult(RowsResult):
             out += [f"**{ref}** against", "", *markdown_table(head, rows)]
         return out
 
-    def _mcnemar_md(self) -> list[str]:
-        mcnemar = self.hits_paired()
+    @staticmethod
+    def _mcnemar_md(mcnemar: pd.DataFrame) -> list[str]:
         if mcnemar.empty:
             return []
         rows = [
@@ -704,10 +711,11 @@ class AttributionEvalResult(RowsResult):
         """The summary, the curves, the paired statistics and ``tables.md`` (written when
         a run ends)."""
         super().write_summary(folder)
-        (Path(folder) / "tables.md").write_text(self.markdown() + "\n")
+        paired, hits = self.paired(), self.hits_paired()  # each once: the bootstrap is dear
         write_csv(Path(folder) / "curves.csv", self.curve_table())
-        write_csv(Path(folder) / "paired.csv", self.paired())
-        hits, path = self.hits_paired(), Path(folder) / "hits_paired.csv"
+        write_csv(Path(folder) / "paired.csv", paired)
+        (Path(folder) / "tables.md").write_text(self.markdown(paired, hits) + "\n")
+        path = Path(folder) / "hits_paired.csv"
         if not hits.empty:  # known-answer tasks with flow (the deletion task has no hits)
             write_csv(path, hits)
         else:  # nor an empty or earlier version's table left behind

@@ -38,13 +38,14 @@ from ..loading import LoadedModel
 from ..runs import fingerprint
 from .options import KVEvalOptions
 from .paired import (
-    ALPHA,
-    TESTS,
+    OTHER_BETTER,
+    REFERENCE_BETTER,
     TIE,
-    bootstrap_interval,
+    difference_stats,
     holm,
     paired_differences,
     ranking_table,
+    verdict,
 )
 from .result import SUMMARY as SUMMARY  # re-exported: the summary file
 from .result import RowsResult, markdown_table, shown, warn_few_samples, write_csv
@@ -158,6 +159,7 @@ class KVEvalResult(RowsResult):
         summary = summary.fillna({"setting": ""})
         ranking = ranking.assign(setting="") if "setting" not in ranking else ranking
         ranking = ranking.fillna({"setting": ""})
+        versus = versus.fillna({"setting": ""})
         fmt = f".{2 if metric == 'accuracy' else 3}f"
         for (name, setting), mine in summary.groupby(["task", "setting"], sort=False):
             parts += [f"## {name}" + (f", {setting}" if setting else ""), ""]
@@ -185,15 +187,13 @@ class KVEvalResult(RowsResult):
             head = ["method", *(f"{x:g}" for x in ratios), "wins / losses"]
             parts += markdown_table(head, table)
             if not versus.empty:
-                mine_versus = versus.fillna({"setting": ""})
-                mine_versus = mine_versus[
-                    (mine_versus["task"] == name) & (mine_versus["setting"] == setting)
-                ]
-                parts += [_decided_line("Against the uncompressed cache", mine_versus, fmt), ""]
+                mine_versus = versus[(versus["task"] == name) & (versus["setting"] == setting)]
+                line = _decided_line("Against the uncompressed cache", mine_versus, metric)
+                parts += [line, ""]
             if "kept_mib" in mine and "compress_s" in mine:
                 parts += [_cost_line(mine, ratios), ""]
         for name, g in settings.groupby("task", sort=False) if not settings.empty else ():
-            line = _decided_line("The question in the observation window", g, fmt)
+            line = _decided_line("The question in the observation window", g, "accuracy")
             parts += [f"## {name}: query-aware − query-agnostic", "", line, ""]
         return "\n".join(parts)
 
@@ -227,9 +227,10 @@ class KVEvalResult(RowsResult):
         return cls(rows, config, run_info)
 
 
-def _decided_line(what: str, frame: pd.DataFrame, fmt: str) -> str:
-    """One sentence on a table of tested differences (:func:`uncompressed_pairs`,
+def _decided_line(what: str, frame: pd.DataFrame, metric: str) -> str:
+    """One sentence on a table of tested differences of ``metric`` (:func:`uncompressed_pairs`,
     :func:`setting_pairs`): the decided ones, worse and better, else the largest tie."""
+    fmt = f".{2 if metric == 'accuracy' else 3}f"
 
     def said(r: Any) -> str:
         signed = f"+{fmt}"
@@ -237,7 +238,8 @@ def _decided_line(what: str, frame: pd.DataFrame, fmt: str) -> str:
                 f"[{shown(r.ci_low, signed)}, {shown(r.ci_high, signed)}], "
                 f"Holm p = {shown(r.p_holm, '.2g')})")  # fmt: skip
 
-    how = f"{what} ({'sign test' if fmt == '.2f' else 't-test'}, Holm over methods × ratios)"
+    test = "sign test" if TEST[metric] == "sign" else "t-test"
+    how = f"{what} ({test}, Holm over methods × ratios)"
     worse = [said(r) for r in frame.itertuples() if r.verdict == WORSE]
     better = [said(r) for r in frame.itertuples() if r.verdict == BETTER]
     if len(worse) + len(better) > 12:  # most are decided: count them, name the ties
@@ -340,25 +342,19 @@ def _decided(frame: pd.DataFrame, family: Sequence[str], metric: str) -> pd.Data
     """``frame`` (one row per comparison: ``d``, the paired differences, an array) with the
     test (:data:`TEST` for ``metric``), a 95% bootstrap interval, Holm per ``family`` and
     the verdict (better / worse / tie, from the side the differences are taken)."""
-    test = TESTS[TEST[metric]]
-    frame = frame.assign(
-        n=[d.size for d in frame["d"]],
-        mean=[float(d.mean()) if d.size else math.nan for d in frame["d"]],
-        ci=[bootstrap_interval(d) for d in frame["d"]],
-        p=[test(d) for d in frame["d"]],
-    )
-    frame["ci_low"] = [c[0] for c in frame["ci"]]
-    frame["ci_high"] = [c[1] for c in frame["ci"]]
+    stats = [difference_stats(d, TEST[metric]) for d in frame["d"]]
+    columns = ["n", "mean", "se", "ci_low", "ci_high", "p"]
+    frame = frame.drop(columns=["d"]).join(pd.DataFrame(stats, columns=columns, index=frame.index))
     frame["p_holm"] = math.nan
     for _, g in frame.groupby(list(family), sort=False):
         frame.loc[g.index, "p_holm"] = holm(g["p"].to_numpy(float))
     higher = HIGHER_IS_BETTER[metric]
+    side = {REFERENCE_BETTER: BETTER, OTHER_BETTER: WORSE, TIE: TIE}
     frame["verdict"] = [
-        TIE if not (r.p_holm < ALPHA and (r.ci_low > 0 or r.ci_high < 0))
-        else BETTER if (r.mean > 0) == higher else WORSE
+        side[verdict(r.mean, r.p_holm, bool(r.ci_low > 0 or r.ci_high < 0), higher)]
         for r in frame.itertuples()
-    ]  # fmt: skip
-    return frame.drop(columns=["d", "ci"])
+    ]
+    return frame
 
 
 def uncompressed_pairs(per_item: pd.DataFrame, task: str) -> pd.DataFrame:

@@ -189,7 +189,22 @@ def student_t_sf2(t: float, df: int) -> float:
 TESTS = {"t": t_test, "sign": sign_test}
 
 
-def _verdict(mean: float, p_holm: float, excludes_zero: bool, higher_is_better: bool) -> str:
+def difference_stats(
+    d: np.ndarray, test: str = "t", resamples: int = RESAMPLES, seed: int = SEED
+) -> tuple[int, float, float, float, float, float]:
+    """Paired differences ``d`` summarised: n, mean, s.e., the bootstrap interval (low,
+    high) and the test's p (:data:`TESTS`)."""
+    n = d.size
+    se = float(d.std(ddof=1) / math.sqrt(n)) if n > 1 else math.nan
+    low, high = bootstrap_interval(d, resamples, seed)
+    mean = float(d.mean()) if n else math.nan
+    return n, mean, se, low, high, TESTS[test](d)
+
+
+def verdict(mean: float, p_holm: float, excludes_zero: bool, higher_is_better: bool) -> str:
+    """``reference better`` / ``other better`` where the Holm-corrected p is under
+    :data:`ALPHA` and the interval excludes 0 (the side from the sign of ``mean``), else
+    ``tie``."""
     if not (np.isfinite(p_holm) and p_holm < ALPHA and excludes_zero):
         return TIE
     return REFERENCE_BETTER if (mean > 0) == higher_is_better else OTHER_BETTER
@@ -246,18 +261,14 @@ def paired_differences(
             if ref not in table or other not in table:
                 continue
             d = (table[ref] - table[other]).dropna().to_numpy(float)
-            n = d.size
-            se = float(d.std(ddof=1) / math.sqrt(n)) if n > 1 else math.nan
-            low, high = bootstrap_interval(d, resamples, seed)
-            p = TESTS[test](d)
-            mean = float(d.mean()) if n else math.nan
-            out.append([metric, mode, float(rate), ref, other, n, mean, se, low, high, p])
+            stats = difference_stats(d, test, resamples, seed)
+            out.append([metric, mode, float(rate), ref, other, *stats])
     frame = pd.DataFrame(out, columns=PAIRED_COLUMNS[:-2])
     frame["p_holm"] = np.nan
     for _, idx in frame.groupby("mode", sort=False).groups.items():
         frame.loc[idx, "p_holm"] = holm(frame.loc[idx, "p"].to_numpy(float))
     frame["verdict"] = [
-        _verdict(
+        verdict(
             r.mean,
             r.p_holm,
             bool(r.ci_low > 0 or r.ci_high < 0),
