@@ -303,6 +303,12 @@ def test_a_magnitude_twin_ranks_by_absolute_scores_added_or_from_the_start(tmp_p
     hits = whole.rows[whole.rows["kind"] == "hit"].set_index(["item", "measure"])["seconds"]
     for item in (0, 1):
         assert hits[(item, "direct_abs")] == hits[(item, "direct")]
+    # listed twin first, it still waits for its method's scores
+    first = attribution_eval(model, texts[:1], out=tmp_path / "first",
+                             options=AttributionEvalOptions(methods="direct_abs,direct",
+                                                            **{**common, "n": 1}))  # fmt: skip
+    hits = first.rows[first.rows["kind"] == "hit"].set_index(["item", "measure"])["seconds"]
+    assert hits[(0, "direct_abs")] == hits[(0, "direct")]
     run = tmp_path / "run"
     attribution_eval(model, texts, options=AttributionEvalOptions(methods="direct", **common),
                      out=run)  # fmt: skip
