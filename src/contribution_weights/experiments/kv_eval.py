@@ -303,22 +303,32 @@ def summarise(per_item: pd.DataFrame, task: str, by: Sequence[str] = ()) -> pd.D
     return _with_costs(out, per_item, ["method", "ratio", *by])
 
 
+def _versus_uncompressed(per_item: pd.DataFrame, task: str) -> pd.DataFrame:
+    """``per_item`` with ``task`` and ``setting`` filled in (``""`` outside RULER) and
+    ``delta``: the metric minus the same item's uncompressed metric in the same task and
+    setting; rows without an uncompressed row are left out."""
+    metric = METRIC[task]
+    rows = per_item.assign(
+        task=per_item.get("task", task),
+        setting=per_item["setting"].fillna("") if "setting" in per_item else "",
+    )
+    keys = ["task", "setting", "item"]
+    base = rows[rows["method"] == NO_COMPRESSION].set_index(keys)[metric].astype(float)
+    own = base.reindex(pd.MultiIndex.from_frame(rows[keys])).to_numpy(dtype=float)
+    return rows.assign(delta=rows[metric].astype(float) - own).dropna(subset=["delta"])
+
+
 def paired_summary(per_item: pd.DataFrame, task: str) -> pd.DataFrame:
     """Per (method, ratio): mean and s.e. over items of the metric minus the same item's
     uncompressed metric (items without an uncompressed row are left out). Ruler: per
     (task, setting, method, ratio), each item against its own uncompressed row in the
     same setting."""
-    metric = METRIC[task]
     ruler = task == "ruler"
     cols = ["method", "task", *(["setting"] if ruler else []), "ratio", "n", "delta_mean",
             "delta_se"]  # fmt: skip
     if per_item.empty or NO_COMPRESSION not in set(per_item["method"]):
         return pd.DataFrame(columns=cols)
-    keys = ["item", "setting"] if ruler else ["item"]
-    base = per_item[per_item["method"] == NO_COMPRESSION].set_index(keys)[metric]
-    index = pd.MultiIndex.from_frame(per_item[keys]) if ruler else per_item["item"]
-    own = base.reindex(index).to_numpy(dtype=float)
-    frame = per_item.assign(delta=per_item[metric].astype(float) - own).dropna(subset=["delta"])
+    frame = _versus_uncompressed(per_item, task)
     groups = ["task", "setting", "method", "ratio"] if ruler else ["method", "ratio"]
     g = frame.groupby(groups, sort=False)["delta"]
     out = g.agg(n="size", delta_mean="mean", delta_se="sem").reset_index()
@@ -362,25 +372,19 @@ def uncompressed_pairs(per_item: pd.DataFrame, task: str) -> pd.DataFrame:
     setting): method − uncompressed, bootstrap interval, the paired test of the metric
     (sign test for accuracy, t-test for NLL), Holm over methods × ratios per task and
     setting; ``better`` / ``worse`` / ``tie`` for the method (:data:`VERSUS_COLUMNS`)."""
-    metric = METRIC[task]
     if per_item.empty or NO_COMPRESSION not in set(per_item["method"]):
         return pd.DataFrame(columns=VERSUS_COLUMNS)
-    rows = per_item.assign(
-        task=per_item.get("task", task),
-        setting=per_item["setting"].fillna("") if "setting" in per_item else "",
-    )
+    rows = _versus_uncompressed(per_item, task)
     out = []
     for (name, setting), g in rows.groupby(["task", "setting"], sort=False):
-        base = g[g["method"] == NO_COMPRESSION].set_index("item")[metric].astype(float)
         for (method, ratio), h in g[g["method"] != NO_COMPRESSION].groupby(
             ["method", "ratio"], sort=False
         ):
-            d = (h.set_index("item")[metric].astype(float) - base).dropna().to_numpy()
             out.append({"task": name, "setting": setting, "method": method, "ratio": ratio,
-                        "d": d})  # fmt: skip
+                        "d": h["delta"].to_numpy(dtype=float)})  # fmt: skip
     if not out:
         return pd.DataFrame(columns=VERSUS_COLUMNS)
-    return _decided(pd.DataFrame(out), ["task", "setting"], metric)[VERSUS_COLUMNS]
+    return _decided(pd.DataFrame(out), ["task", "setting"], METRIC[task])[VERSUS_COLUMNS]
 
 
 def setting_pairs(per_item: pd.DataFrame) -> pd.DataFrame:
