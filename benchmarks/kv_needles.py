@@ -22,7 +22,15 @@ output? Prints and writes (``kv-needles-TASK.csv`` under ``--out``):
   values, and those of them one or two digits from a value (a needle read with digits
   lost), per row.
 
-No model runs: the outputs are the run's. Seconds for 50 items (tokenising the haystack).
+No model runs for these: the outputs are the run's; seconds for 50 items (tokenising the
+haystack). ``--kept N`` then prefills the first N items again in each of
+``--kept-settings`` and compresses them with every method and ratio of the run, as the run
+did (the same window and seed), to see what each method keeps: per asked needle the share
+of its tokens kept (mean over compressed layers and KV heads), the share of the 128 tokens
+each side of it kept, and the share of (layer, head) pairs that keep every token of it;
+per twentieth of the prefill the share kept (``kv-needles-TASK-kept.csv``, and with
+``--kept-figure`` the profile). About 80 s an item and setting for SmolLM2 at 4,096 tokens
+on one CPU thread beside other jobs.
 """
 
 from __future__ import annotations
@@ -81,6 +89,13 @@ def main() -> int:
     p.add_argument("--data-dir", default=None)
     p.add_argument("--out", type=Path, default=Path("bench-out"))
     p.add_argument("--figure", type=Path, default=None, help="write the recall figure here")
+    p.add_argument("--kept", type=int, default=0,
+                   help="also prefill and compress the first N items again: what each method "
+                        "keeps of the needles and of each part of the context")  # fmt: skip
+    p.add_argument("--kept-settings", default="query_agnostic",
+                   help="the settings --kept runs (comma-separated)")  # fmt: skip
+    p.add_argument("--kept-figure", type=Path, default=None,
+                   help="write the figure of what each method keeps (with --kept)")  # fmt: skip
     args = p.parse_args()
 
     import numpy as np
@@ -110,6 +125,7 @@ def main() -> int:
     generator = RulerGenerator(model.tokenizer, texts)
     offset = tasks.index(args.task) * int(config["n"])
     items: dict[int, Any] = {}
+    regenerated: dict[int, Any] = {}
     for index in sorted(set(rows["item"])):
         item = generator.item(args.task, int(config["seed"]), int(config["context_tokens"]),
                               int(index) - offset)  # fmt: skip
@@ -126,6 +142,7 @@ def main() -> int:
         )
         values = [t.rsplit(" ", 1)[1].rstrip(".") for t in texts_]
         items[int(index)] = {"asked": [(a.lower(), d) for d, a in asked], "values": values}
+        regenerated[int(index)] = item
 
     needles = pd.DataFrame(needle_rows(rows, items))
     needles["band"] = pd.cut(needles["depth"], BANDS, include_lowest=True).astype(str)
@@ -187,7 +204,149 @@ def main() -> int:
     if args.figure is not None:
         figure(needles, args.task, args.figure)
         print(f"wrote {args.figure}")
+    if args.kept > 0:
+        kept_part(
+            args,
+            model,
+            generator,
+            [regenerated[i] for i in sorted(regenerated)[: args.kept]],
+            config,
+        )
     return 0
+
+
+#: context position bins of the kept-share profile
+POSITION_BINS = 20
+#: tokens each side of a needle whose kept share it is set against
+AROUND = 128
+
+
+def kept_rows(model: Any, generator: Any, item: Any, config: dict[str, Any], setting: str,
+              index: int) -> list[dict[str, Any]]:  # fmt: skip
+    """One item prefilled in ``setting`` and compressed by each of the run's methods at each
+    ratio: the share of each needle's tokens kept (over compressed layers and KV heads), of
+    the :data:`AROUND` tokens each side of it, the share of (layer, head) pairs that keep
+    the whole needle, and the share kept of each twentieth of the prefill."""
+    import numpy as np
+    import torch
+
+    from contribution_weights.kv.cache import compress
+    from contribution_weights.kv.scoring import prefill
+
+    ids = item.prefill_ids(setting)
+    pre = prefill(model, ids, int(config["window"]), seed=int(config["seed"]),
+                  methods=config["methods"])  # fmt: skip
+    t = int(ids.shape[1])
+    context = item.context[0].tolist()
+    spans = []
+    for text, depth in zip(item.meta["needles"], item.meta["depths"], strict=True):
+        needle = generator.needle(text)
+        start = next(
+            i for i in range(len(context) - len(needle) + 1)
+            if context[i : i + len(needle)] == needle
+        )  # fmt: skip
+        asked = any(text.endswith(f" {a}.") for a in item.answers)
+        spans.append((start, start + len(needle), depth, asked))
+    edges = np.linspace(0, t, POSITION_BINS + 1).round().astype(int)
+    out: list[dict[str, Any]] = []
+    for method in config["methods"]:
+        for ratio in (r for r in config["ratios"] if r > 0):
+            cache = compress(pre, method, ratio)
+            share = torch.zeros(t)
+            whole = torch.zeros(len(spans))
+            for keep in cache.kept.values():
+                keep = keep[0]  # (G, S), -1 where a head keeps fewer
+                mask = torch.zeros(keep.shape[0], t + 1)
+                mask.scatter_(1, torch.where(keep >= 0, keep, t), 1.0)
+                share += mask[:, :t].mean(0)
+                for k, (lo, hi, _, _) in enumerate(spans):
+                    whole[k] += mask[:, lo:hi].min(1).values.mean()
+            share /= len(cache.kept)
+            whole /= len(cache.kept)
+            base = {"item": index, "setting": setting, "method": method, "ratio": ratio}
+            for k, (lo, hi, depth, asked) in enumerate(spans):
+                around = torch.cat([share[max(lo - AROUND, 0) : lo], share[hi : hi + AROUND]])
+                out.append({**base, "kind": "needle", "needle": k, "depth": depth,
+                            "asked": asked, "kept": float(share[lo:hi].mean()),
+                            "around": float(around.mean()), "whole": float(whole[k])})  # fmt: skip
+            for b in range(POSITION_BINS):
+                lo, hi = int(edges[b]), int(edges[b + 1])
+                out.append({**base, "kind": "position", "needle": b, "depth": (lo + hi) / 2 / t,
+                            "asked": False, "kept": float(share[lo:hi].mean())})  # fmt: skip
+    return out
+
+
+def kept_part(args: Any, model: Any, generator: Any, items: list[Any], config: dict[str, Any]
+              ) -> None:  # fmt: skip
+    """``--kept``: what each method keeps of the asked needles (late / early as above) and of
+    each part of the prefill; ``kv-needles-TASK-kept.csv`` and the figure."""
+    import pandas as pd
+    from tqdm.auto import tqdm
+
+    settings = args.kept_settings.split(",")
+    rows = []
+    for item in tqdm(items, desc="kept sets", unit="item"):
+        for setting in settings:
+            rows += kept_rows(model, generator, item, config, setting, item.meta["index"])
+    frame = pd.DataFrame(rows)
+    path = args.out / f"kv-needles-{args.task}-kept.csv"
+    frame.to_csv(path, index=False)
+    needles = frame[(frame["kind"] == "needle") & frame["asked"]].copy()
+    late = needles["depth"] >= needles["ratio"]
+    needles["part"] = late.map({True: "late", False: "early"})
+    columns = ["kept", "around", "whole"]
+    table = needles.groupby(["setting", "ratio", "part", "method"], sort=False)[columns].mean()
+    print(f"\nthe asked needles ({len(items)} items; means over compressed layers and KV "
+          "heads): kept, the share of their tokens kept; around, of the "
+          f"{AROUND} tokens each side; whole, the share of (layer, head) pairs that keep "
+          "every token of the needle")  # fmt: skip
+    table = table.unstack("part")
+    print(table.round(3).to_string())
+    print(f"wrote {path}")
+    if args.kept_figure is not None:
+        kept_figure(frame, args.task, len(items), args.kept_figure)
+        print(f"wrote {args.kept_figure}")
+
+
+def kept_figure(frame: Any, task: str, n: int, path: Path) -> None:
+    """Share kept by position in the prefill, one panel per (setting, ratio), the asked
+    needles marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    settings = list(dict.fromkeys(frame["setting"]))
+    ratios = sorted(set(frame["ratio"]))
+    size = (4.2 * len(ratios), 3.3 * len(settings))
+    fig, axes = plt.subplots(len(settings), len(ratios), figsize=size, sharey=True, squeeze=False)
+    shown = ["contribution", "snapkv", "tova", "criticalkv", WINDOW]
+    for i, setting in enumerate(settings):
+        here = frame[frame["setting"] == setting]
+        positions = here[here["kind"] == "position"]
+        needles = here[(here["kind"] == "needle") & here["asked"]]
+        for j, ratio in enumerate(ratios):
+            ax = axes[i][j]
+            for method in shown:
+                g = positions[(positions["method"] == method) & (positions["ratio"] == ratio)]
+                curve = g.groupby("needle")[["depth", "kept"]].mean()  # per twentieth
+                style = {"lw": 2.2} if method == WINDOW else {"lw": 1.2, "alpha": 0.85}
+                line = ax.plot(curve["depth"], curve["kept"], label=method, **style)[0]
+                h = needles[(needles["method"] == method) & (needles["ratio"] == ratio)]
+                ax.scatter(h["depth"], h["kept"], s=8, color=line.get_color(), alpha=0.5)
+            ax.axhline(1 - ratio, color="grey", ls=":", lw=1)
+            ax.set_title(f"{setting}, ratio {ratio:g}", fontsize=9)
+            ax.set_xlabel("position in the prefill (dots: needles, by depth)")
+            if j == 0:
+                ax.set_ylabel("share kept (layers × KV heads)")
+    axes[0][-1].legend(fontsize=7)
+    title = (f"{task}, {n} items: share of the cache kept by position (lines: twentieths of "
+             "the prefill; dots: asked needles; dotted: the budget)")  # fmt: skip
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
 
 
 def figure(needles: Any, task: str, path: Path) -> None:
