@@ -82,6 +82,33 @@ def invented(per_item: Any, items: dict[int, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def regenerate(generator: Any, rows: Any, task: str, config: dict[str, Any]
+               ) -> tuple[dict[int, Any], dict[int, Any]]:  # fmt: skip
+    """The run's items of ``task`` generated again (their answers must equal the rows'): per
+    item number, its asked needles (value, landed depth) in context order and all its values,
+    and the item itself."""
+    offset = list(config["ruler_tasks"]).index(task) * int(config["n"])
+    items: dict[int, Any] = {}
+    regenerated: dict[int, Any] = {}
+    for index in sorted(set(rows["item"])):
+        item = generator.item(task, int(config["seed"]), int(config["context_tokens"]),
+                              int(index) - offset)  # fmt: skip
+        saved = rows.loc[rows["item"] == index, "answers"].iloc[0]
+        if "|".join(item.answers) != str(saved):
+            raise SystemExit(f"item {index}: regenerated answers {item.answers} != {saved}")
+        texts, depths = item.meta["needles"], item.meta["depths"]
+        asked = sorted(
+            (depths[i], a)
+            for a in item.answers
+            for i, t in enumerate(texts)
+            if t.endswith(f" {a}.")
+        )
+        values = [t.rsplit(" ", 1)[1].rstrip(".") for t in texts]
+        items[int(index)] = {"asked": [(a.lower(), d) for d, a in asked], "values": values}
+        regenerated[int(index)] = item
+    return items, regenerated
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--run", type=Path, required=True, help="a kv-eval --task ruler folder")
@@ -123,26 +150,7 @@ def main() -> int:
         raise SystemExit("the haystack texts differ from the run's (texts_sha256)")
     model = cw.load_model(config["model"])
     generator = RulerGenerator(model.tokenizer, texts)
-    offset = tasks.index(args.task) * int(config["n"])
-    items: dict[int, Any] = {}
-    regenerated: dict[int, Any] = {}
-    for index in sorted(set(rows["item"])):
-        item = generator.item(args.task, int(config["seed"]), int(config["context_tokens"]),
-                              int(index) - offset)  # fmt: skip
-        saved = rows.loc[rows["item"] == index, "answers"].iloc[0]
-        if "|".join(item.answers) != str(saved):
-            raise SystemExit(f"item {index}: regenerated answers {item.answers} != {saved}")
-        # the asked needles in context order, with the depth each landed at
-        texts_, depths = item.meta["needles"], item.meta["depths"]
-        asked = sorted(
-            (depths[i], a)
-            for a in item.answers
-            for i, t in enumerate(texts_)
-            if t.endswith(f" {a}.")
-        )
-        values = [t.rsplit(" ", 1)[1].rstrip(".") for t in texts_]
-        items[int(index)] = {"asked": [(a.lower(), d) for d, a in asked], "values": values}
-        regenerated[int(index)] = item
+    items, regenerated = regenerate(generator, rows, args.task, config)
 
     needles = pd.DataFrame(needle_rows(rows, items))
     needles["band"] = pd.cut(needles["depth"], BANDS, include_lowest=True).astype(str)
