@@ -82,6 +82,19 @@ def invented(per_item: Any, items: dict[int, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def holds(needle: str, value: str) -> bool:
+    """Whether a needle's text states ``value`` (its sentence ends " VALUE.")."""
+    return needle.endswith(f" {value}.")
+
+
+def needle_part(depth: Any, ratio: Any) -> Any:
+    """``late`` where a needle's depth is at least the ratio (inside the recent window's
+    span), else ``early``; element-wise on arrays."""
+    import numpy as np
+
+    return np.where(np.asarray(depth) >= np.asarray(ratio), "late", "early")
+
+
 def regenerate(generator: Any, rows: Any, task: str, config: dict[str, Any]
                ) -> tuple[dict[int, Any], dict[int, Any]]:  # fmt: skip
     """The run's items of ``task`` generated again (their answers must equal the rows'): per
@@ -98,10 +111,7 @@ def regenerate(generator: Any, rows: Any, task: str, config: dict[str, Any]
             raise SystemExit(f"item {index}: regenerated answers {item.answers} != {saved}")
         texts, depths = item.meta["needles"], item.meta["depths"]
         asked = sorted(
-            (depths[i], a)
-            for a in item.answers
-            for i, t in enumerate(texts)
-            if t.endswith(f" {a}.")
+            (depths[i], a) for a in item.answers for i, t in enumerate(texts) if holds(t, a)
         )
         values = [t.rsplit(" ", 1)[1].rstrip(".") for t in texts]
         items[int(index)] = {"asked": [(a.lower(), d) for d, a in asked], "values": values}
@@ -167,7 +177,7 @@ def main() -> int:
     for (setting, ratio), g in compressed.groupby(["setting", "ratio"], sort=False):
         base = needles[(needles["ratio"] == 0) & (needles["setting"] == setting)]
         g = pd.concat([g, base])
-        g = g.assign(part=np.where(g["depth"] >= ratio, "late", "early"))
+        g = g.assign(part=needle_part(g["depth"], ratio))
         per = g.groupby(["part", "method", "item"])["found"].mean()
         for part in ("early", "late"):
             if part not in per.index.get_level_values(0):
@@ -253,7 +263,7 @@ def kept_rows(model: Any, generator: Any, item: Any, config: dict[str, Any], set
             i for i in range(len(context) - len(needle) + 1)
             if context[i : i + len(needle)] == needle
         )  # fmt: skip
-        asked = any(text.endswith(f" {a}.") for a in item.answers)
+        asked = any(holds(text, a) for a in item.answers)
         spans.append((start, start + len(needle), depth, asked))
     edges = np.linspace(0, t, POSITION_BINS + 1).round().astype(int)
     out: list[dict[str, Any]] = []
@@ -300,8 +310,7 @@ def kept_part(args: Any, model: Any, generator: Any, items: list[Any], config: d
     path = args.out / f"kv-needles-{args.task}-kept.csv"
     frame.to_csv(path, index=False)
     needles = frame[(frame["kind"] == "needle") & frame["asked"]].copy()
-    late = needles["depth"] >= needles["ratio"]
-    needles["part"] = late.map({True: "late", False: "early"})
+    needles["part"] = needle_part(needles["depth"], needles["ratio"])
     columns = ["kept", "around", "whole"]
     table = needles.groupby(["setting", "ratio", "part", "method"], sort=False)[columns].mean()
     print(f"\nthe asked needles ({len(items)} items; means over compressed layers and KV "
