@@ -344,7 +344,7 @@ def analyse_item(
     t0 = time.perf_counter()
     pos = torch.arange(c, c + k)[None]
     with torch.no_grad(), capturing(net, observers=[future]) as session:
-        net(input_ids=fed[:, :-1], cache=cache, position_ids=pos)
+        net(input_ids=fed[:, :-1], position_ids=pos, **{cw.kv.cache_keyword(net): cache})
     check_all_layers_seen(session, model.num_layers)
     t_future = time.perf_counter() - t0
 
@@ -476,11 +476,14 @@ def nll_check(
     12 random others; against the truth summed over layers and KV heads."""
     import torch
 
+    from contribution_weights.kv import cache_keyword
     from contribution_weights.kv.evaluate import continuation_nll
 
     def nll(cache_: Any) -> float:
         with torch.no_grad():
-            logits = net(input_ids=fed[:, :-1], cache=cache_, position_ids=pos).logits
+            logits = net(
+                input_ids=fed[:, :-1], position_ids=pos, **{cache_keyword(net): cache_}
+            ).logits
         return continuation_nll(logits, fed[:, 1:])
 
     base = nll(copy.deepcopy(cache))

@@ -96,10 +96,16 @@ def main() -> int:
         def nll(cache: Any, intervention: Any = None, fed: Any = fed, pos: Any = pos) -> float:
             with torch.no_grad():
                 if intervention is None:
-                    logits = net(input_ids=fed[:, :-1], cache=cache, position_ids=pos).logits
+                    logits = net(
+                        input_ids=fed[:, :-1], position_ids=pos, **{cw.kv.cache_keyword(net): cache}
+                    ).logits
                 else:
                     with capturing(net, intervention=intervention):
-                        logits = net(input_ids=fed[:, :-1], cache=cache, position_ids=pos).logits
+                        logits = net(
+                            input_ids=fed[:, :-1],
+                            position_ids=pos,
+                            **{cw.kv.cache_keyword(net): cache},
+                        ).logits
             return continuation_nll(logits, fed[:, 1:])
 
         evicted = copy.deepcopy(pre.cache)

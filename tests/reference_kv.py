@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from contribution_weights.kv import cache_keyword
+
 REFERENCE = "kv_reference_test"
 #: layer -> (B, G, T) bool, True where evicted; read by reference_attention
 evicted_entries: dict[int, Tensor] = {}
@@ -64,7 +66,7 @@ def reference_logits(
     try:
         model.set_attn_implementation(REFERENCE)
         with torch.no_grad():
-            return model(input_ids=new_ids, cache=copy.deepcopy(cache)).logits
+            return model(input_ids=new_ids, **{cache_keyword(model): copy.deepcopy(cache)}).logits
     finally:
         evicted_entries.clear()
         model.set_attn_implementation(previous)

@@ -11,6 +11,7 @@ from tiny_models import tiny_model
 
 from contribution_weights.capture import AttentionEdit, capturing
 from contribution_weights.interventions import CLEAN, Removal, SequentialRemoval
+from contribution_weights.kv import cache_keyword
 
 LAYER = 1  # edited; layer 0 runs clean, so layer 1's inputs are the eager run's
 T = 12
@@ -166,7 +167,7 @@ def _decode_deleting(model, ids: torch.Tensor, gone: list[int]) -> torch.Tensor:
             input_ids=ids[:, pos : pos + 1],
             position_ids=torch.tensor([[pos]]),
             cache_position=torch.tensor([length]),
-            cache=cache,
+            **{cache_keyword(model): cache},
             use_cache=True,
         )
         out.append(step.logits[0, -1])

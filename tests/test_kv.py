@@ -22,6 +22,7 @@ from tiny_models import tiny_model
 from torch import Tensor, nn
 
 from contribution_weights import kv
+from contribution_weights.kv import cache_keyword
 from contribution_weights.kv.evaluate import continuation_nll
 from contribution_weights.presentation.figures import plot
 
@@ -83,7 +84,7 @@ def test_ratio_zero_is_bit_identical(tiny: Any) -> None:
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
     plain = copy.deepcopy(pre.cache)
     with torch.no_grad():
-        out = tiny.model(input_ids=ids[:, T:], cache=plain).logits
+        out = tiny.model(input_ids=ids[:, T:], **{cache_keyword(tiny.model): plain}).logits
     nll_plain = continuation_nll(out[:, :-1], ids[:, T + 1 :])
     zero = small.forward(tiny.model, ids[:, T:]).logits
     nll_zero = continuation_nll(zero[:, :-1], ids[:, T + 1 :])
@@ -694,3 +695,78 @@ def test_tables_md_shows_an_uncompressed_only_run_and_undefined_errors_as_dashes
     lines = [line for line in both.splitlines() if line.startswith("| `")]
     assert lines == ["| `snapkv` | 1.00 ± – | 0 / 0 |", "| `h2o` | 0.00 ± – | 0 / 0 |"]
     assert "nan" not in both
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_every_method_compresses_alike_on_a_gpu(family: str) -> None:
+    """Every registered method scored and applied on CUDA keeps the entries it keeps on the
+    CPU, and the continuation's logits agree (float64 model; transformers computes the rotary
+    tables in float32 on each device, which alone moved logits by up to 1.1e-7 on an H200,
+    hence 1e-6). ``random`` is left out: its seeded draw comes from the device's own
+    generator. A head-adaptive method also generates the same tokens on both devices (padded
+    slots, the per-head mask of :mod:`.kv.heads`)."""
+    model = tiny_model(family, dtype=torch.float64)
+    ids = _ids(T + N, seed=11)
+    names = [m for m in kv.method_names() if m != "random"]
+
+    def run(device: str) -> dict[tuple[str, float], Any]:
+        model.model.to(device)
+        x = ids.to(device)
+        pre = kv.prefill(model, x[:, :T], window=WINDOW)
+        out: dict[tuple[str, float], Any] = {}
+        for method in names:
+            for ratio in (0.25, 0.5):
+                small = kv.compress(pre, method, ratio)
+                with torch.no_grad():
+                    logits = small.forward(model.model, x[:, T:]).logits.cpu()
+                kept = {i: k.cpu() for i, k in small.kept.items()}
+                out[method, ratio] = (kept, logits)
+        adaptive = kv.compress(pre, "adakv_contribution", 0.5)
+        out["generated", 0.5] = adaptive.generate(
+            model.model, x[:, T:], max_new_tokens=4, do_sample=False
+        ).cpu()
+        return out
+
+    cpu, gpu = run("cpu"), run("cuda")
+    model.model.to("cpu")
+    assert torch.equal(cpu["generated", 0.5], gpu["generated", 0.5])
+    keys = [key for key in cpu if key[0] != "generated"]
+    for key in keys:  # every kept set first: the decisions, exact
+        kept_c, kept_g = cpu[key][0], gpu[key][0]
+        assert kept_c.keys() == kept_g.keys(), key
+        for layer in kept_c:
+            assert torch.equal(kept_c[layer], kept_g[layer]), (key, layer)
+    for key in keys:
+        torch.testing.assert_close(gpu[key][1], cpu[key][1], rtol=1e-6, atol=1e-6)
+
+
+def test_the_cache_goes_under_the_keyword_the_model_reads() -> None:
+    """transformers renamed ``past_key_values=`` to ``cache=``; the older releases accept a
+    ``cache=`` into ``**kwargs`` and run without it, so a continuation must use the name the
+    model's forward declares (here, both spellings and neither)."""
+
+    class Old(nn.Module):
+        def forward(self, input_ids: Tensor, past_key_values: Any = None, **kwargs: Any) -> Any:
+            return past_key_values
+
+    class New(nn.Module):
+        def forward(self, input_ids: Tensor, cache: Any = None, **kwargs: Any) -> Any:
+            return cache
+
+    class Neither(nn.Module):
+        def forward(self, input_ids: Tensor, **kwargs: Any) -> Any:
+            return None
+
+    assert kv.cache_keyword(Old()) == "past_key_values"
+    assert kv.cache_keyword(New()) == "cache"
+    with pytest.raises(TypeError, match="neither cache= nor past_key_values="):
+        kv.cache_keyword(Neither())
+    model = tiny_model("llama")
+    assert kv.cache_keyword(model.model) in {"cache", "past_key_values"}
+    # the installed transformers: the compressed cache is really read (it grows)
+    pre = kv.prefill(model, _ids(T, seed=1), window=WINDOW)
+    small = kv.compress(pre, "snapkv", 0.5)
+    before = small.cache.get_seq_length()
+    small.forward(model.model, _ids(3, seed=2))
+    assert small.cache.get_seq_length() == before + 3

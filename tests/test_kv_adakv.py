@@ -21,6 +21,7 @@ from tiny_models import tiny_model
 from torch import Tensor
 
 from contribution_weights import kv
+from contribution_weights.kv import cache_keyword
 from contribution_weights.kv.heads import with_padded_slots
 
 T, N, WINDOW = 24, 6, 8
@@ -216,7 +217,7 @@ def test_equal_count_methods_have_no_padding_and_change_nothing() -> None:
             got = small.forward(model.model, ids[:, T:]).logits
             plain = model.model(
                 input_ids=ids[:, T:],
-                cache=kv.compress(pre, method, 0.5).cache,
+                **{cache_keyword(model.model): kv.compress(pre, method, 0.5).cache},
                 position_ids=torch.arange(T, T + N)[None],
             ).logits
         assert torch.equal(got, plain)  # the model's own path, bit for bit

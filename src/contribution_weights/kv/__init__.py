@@ -29,7 +29,14 @@ its own environment),
 text, variable tracking, common- and frequent-word extraction).
 """
 
-from .cache import CompressedCache, check_ratio, compress, kept_positions, n_kept
+from .cache import (
+    CompressedCache,
+    cache_keyword,
+    check_ratio,
+    compress,
+    kept_positions,
+    n_kept,
+)
 from .methods import (
     H2O,
     METHODS,
@@ -83,6 +90,7 @@ __all__ = [
     "StreamingLLM",
     "VATPProjected",
     "WindowAttention",
+    "cache_keyword",
     "check_ratio",
     "compress",
     "compressible_layers",

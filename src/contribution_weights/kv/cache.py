@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -54,6 +55,21 @@ def check_ratio(ratio: float) -> float:
 def n_kept(length: int, ratio: float) -> int:
     """Entries kept per KV head out of ``length`` at ``ratio`` (kvpress's rule)."""
     return max(1, int(length * (1 - check_ratio(ratio))))
+
+
+def cache_keyword(model: Any) -> str:
+    """The keyword a model's forward takes its cache by: ``cache`` in recent transformers,
+    ``past_key_values`` before. The older releases take a ``cache=`` silently (into
+    ``**kwargs``) and run without it, so the name must be the one the model reads."""
+    params = inspect.signature(model.forward).parameters
+    if "cache" in params:
+        return "cache"
+    if "past_key_values" in params:
+        return "past_key_values"
+    raise TypeError(
+        f"{type(model).__name__}.forward takes neither cache= nor past_key_values=; "
+        "continuing on a compressed cache needs a transformers causal LM"
+    )
 
 
 def _rows(input_ids: Tensor) -> Tensor:
@@ -100,7 +116,8 @@ class CompressedCache:
         offset = seen - self._cached_after_prefill()
         pos = self.position_ids(input_ids.shape[1], offset).to(input_ids.device)
         with head_masked(model, self.padded()):
-            return model(input_ids=input_ids, cache=self.cache, position_ids=pos, **kwargs)
+            cache = {cache_keyword(model): self.cache}
+            return model(input_ids=input_ids, position_ids=pos, **cache, **kwargs)
 
     def generate(self, model: Any, input_ids: Tensor, **kwargs: Any) -> Tensor:
         """``model.generate`` on new tokens ``(B, n)`` (or ``(n,)``) after the prefill;
@@ -130,7 +147,7 @@ class CompressedCache:
                 input_ids=full,
                 attention_mask=torch.ones_like(full),
                 position_ids=positions.to(input_ids.device),
-                cache=self.cache,
+                **{cache_keyword(model): self.cache},
                 **kwargs,
             )
         return out[:, cached:]
