@@ -14,13 +14,14 @@ one run:
   does not compile; this row is what would decide it for GPUs;
 * ``no-maps-triton``: the same with ``kernels="triton"`` (each traced layer reduced whole
   by the tiled kernels of ``measures/tiled.py``: no map, no block of probabilities; Triton
-  compiles them in the warm-up run). Unmeasured so far: written and tested on CPU, under
-  Triton's interpreter, with no GPU to run it on;
+  compiles them in the warm-up run). First measured on an H200 on 2026-12-04
+  (docs/long-contexts.md);
 * ``stream``: ``cw.trace(..., measures="contribution", out=DIR)``, every layer's map
   streamed to a temporary folder in bfloat16 (its size is reported).
 
-Wall time is one run after a warm-up; peak memory is the accelerator's peak allocation
-above the loaded model (CUDA) or the peak resident memory above it (CPU). On a CPU, use
+Wall time is one run after a warm-up on the same input; peak memory is the accelerator's
+peak allocation above the loaded model (CUDA) or the peak resident memory above it (CPU).
+``--layers N`` keeps N of the 32 layers (all have the same shape). On a CPU, use
 ``--tiny`` (a 2-layer model of the same family with small sizes; the test suite runs it so).
 
     python benchmarks/bench_gpu.py --device cuda --lengths 2048,8192 --out bench-out
@@ -69,18 +70,24 @@ class _Ids:
         return f"<{ids[0]}>"
 
 
-def build_model(tiny: bool, device: str, dtype: str) -> Any:
+def build_model(tiny: bool, device: str, dtype: str, layers: int | None = None) -> Any:
+    """The 8B-shaped model (or the tiny one), with ``layers`` of its layers if given."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import contribution_weights as cw
 
-    config = LlamaConfig(**(TINY if tiny else LLAMA_8B))
+    shape = dict(TINY if tiny else LLAMA_8B)
+    if layers is not None:
+        shape["num_hidden_layers"] = layers
+    config = LlamaConfig(**shape)
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM._from_config(config, torch_dtype=getattr(torch, dtype))
     model.eval()
     name = "llama-tiny" if tiny else "llama-3.1-8b-shaped (random weights)"
+    if layers is not None:
+        name += f", {layers} of its {(TINY if tiny else LLAMA_8B)['num_hidden_layers']} layers"
     return cw.LoadedModel(model=model, tokenizer=_Ids(), name=name)
 
 
@@ -180,19 +187,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", default="2048,8192")
     parser.add_argument("--methods", default="sdpa,no-maps,no-maps-compiled,no-maps-triton,stream")
     parser.add_argument("--tiny", action="store_true", help="a tiny model of the same family")
+    parser.add_argument("--layers", type=int, default=None, help="this many of its layers")
     parser.add_argument("--out", type=Path, default=Path("bench-out"))
     args = parser.parse_args(argv)
     import torch
 
-    model = build_model(args.tiny, args.device, args.dtype)
+    model = build_model(args.tiny, args.device, args.dtype, args.layers)
     results = []
     for length in [int(x) for x in args.lengths.split(",")]:
         g = torch.Generator().manual_seed(length)
         ids = torch.randint(3, model.config.vocab_size, (length,), generator=g).to(args.device)
-        warm = ids[: min(64, length)]
         for method in args.methods.split(","):
             folder = Path(tempfile.mkdtemp(prefix="cw-gpu-bench-"))
-            run(model, method, warm, folder)  # kernels and allocator warmed up
+            # warmed up on the same input, so that kernels are compiled and tuned and the
+            # allocator sized for this length (after a 64-token warm-up, the sdpa row of 2
+            # layers at 8,192 tokens took 0.63 s on an H200, where bench_kv.py's prefill of
+            # the same layers, warmed up on its own input, took 16 ms)
+            run(model, method, ids, folder)
             folder = Path(tempfile.mkdtemp(prefix="cw-gpu-bench-"))
             r = run(model, method, ids, folder)
             results.append(r)

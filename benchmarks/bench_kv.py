@@ -6,7 +6,8 @@ For each context length C, in the same process and on the same input (the first 
 Edu item of C tokens, or a repeated text without the data), times the median of
 ``--repeats`` rounds (each round runs every variant once, so load drift hits all alike) of:
 
-* ``prefill``: the model's own forward with a cache (its default attention, sdpa);
+* ``prefill``: the model's own forward with a cache (its default attention, sdpa), asking
+  for the last position's logits only, as :func:`contribution_weights.kv.prefill` does;
 * ``capture``: the same forward on the capture path with no observer (eager recomputed);
 * ``scored``: :func:`contribution_weights.kv.prefill` (capture + the statistics observer:
   accumulated attention, window probabilities, window |ĉ|);
@@ -17,6 +18,18 @@ Edu item of C tokens, or a repeated text without the data), times the median of
 
 and reports each as a fraction of ``prefill``. Scoring overhead = (scored − prefill +
 methods) / prefill. Run with ``OMP_NUM_THREADS=1`` for stable numbers.
+
+On a GPU, ``--shape llama-8b --device cuda`` times the same on a model of Llama-3.1-8B's shape
+with random weights in bfloat16 (benchmarks/bench_gpu.py builds it; nothing is downloaded)
+and random token ids, synchronising the device after each call, and adds each variant's peak
+memory above the loaded model and each method's own seconds (``--shape tiny --device cpu``
+runs the same code on a tiny model)::
+
+    python benchmarks/bench_kv.py --shape llama-8b --layers 8 --device cuda \
+        --contexts 8192,32768 --repeats 2 --out kv-gpu.json
+
+Every layer of that model has the same shape, so 8 of its 32 layers give the ratios to the
+prefill that all 32 would, at a quarter of the time and memory.
 """
 
 from __future__ import annotations
@@ -36,32 +49,63 @@ def main() -> int:
     p.add_argument("--contexts", default="512,1024,2048")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", type=Path, default=None, help="write results.json here")
+    p.add_argument(
+        "--shape",
+        choices=["llama-8b", "tiny"],
+        default=None,
+        help="a random model of this shape and random ids instead of --model and the data",
+    )
+    p.add_argument("--device", default="cpu", help="with --shape: where to build it")
+    p.add_argument("--dtype", default="bfloat16", help="with --shape: its dtype")
+    p.add_argument("--layers", type=int, default=None, help="with --shape: this many of its layers")
     args = p.parse_args()
-    data_dir()  # $CW_DATA_DIR, checked
+    contexts = [int(x) for x in args.contexts.split(",")]
 
     import torch
 
     import contribution_weights as cw
     from contribution_weights.capture import capturing
 
-    model = cw.load_model(args.model)
+    if args.shape is None:
+        data_dir()  # $CW_DATA_DIR, checked
+        model = cw.load_model(args.model)
+        try:
+            text = "\n\n".join(cw.data.load_texts("fineweb-edu", 40))
+        except Exception:  # no data: any long text times the same
+            text = "The quick brown fox jumps over the lazy dog. " * 2000
+        all_ids = torch.tensor(model.tokenizer(text)["input_ids"])
+    else:
+        from bench_gpu import build_model  # beside this script
+
+        model = build_model(args.shape == "tiny", args.device, args.dtype, args.layers)
+        gen = torch.Generator().manual_seed(0)
+        all_ids = torch.randint(3, model.config.vocab_size, (max(contexts),), generator=gen)
     net = model.model
-    try:
-        text = "\n\n".join(cw.data.load_texts("fineweb-edu", 40))
-    except Exception:  # no data: any long text times the same
-        text = "The quick brown fox jumps over the lazy dog. " * 2000
-    all_ids = torch.tensor(model.tokenizer(text)["input_ids"])
+    cuda = model.device.type == "cuda"
+
+    def synced(fn: Any) -> Any:
+        """``fn`` that waits for the device before it returns (timings on a GPU)."""
+
+        def call() -> Any:
+            out = fn()
+            if cuda:
+                torch.cuda.synchronize()
+            return out
+
+        return call
+
+    last = model.last_logits_only()  # the last position's logits, as kv.prefill asks
     rows = []
-    for c in [int(x) for x in args.contexts.split(",")]:
-        ids = all_ids[None, :c]
+    for c in contexts:
+        ids = all_ids[None, :c].to(model.device)
 
         def plain(ids: Any = ids) -> None:
             with torch.no_grad():
-                net(input_ids=ids, use_cache=True)
+                net(input_ids=ids, use_cache=True, **last)
 
         def captured(ids: Any = ids) -> None:
             with torch.no_grad(), capturing(net):
-                net(input_ids=ids, use_cache=True)
+                net(input_ids=ids, use_cache=True, **last)
 
         def scored(ids: Any = ids) -> Any:
             return cw.kv.prefill(model, ids)
@@ -81,16 +125,31 @@ def main() -> int:
                 for stats in pre.stats.values():
                     cw.kv.kept_positions(spec.score(stats), 0.5)
 
-        t = interleaved_medians(
-            {
-                "prefill": plain,
-                "capture": captured,
-                "scored": scored,
-                "windowed": windowed,
-                "methods": methods,
-            },
-            args.repeats,
-        )
+        variants = {
+            "prefill": plain,
+            "capture": captured,
+            "scored": scored,
+            "windowed": windowed,
+            "methods": methods,
+        }
+        t = interleaved_medians({k: synced(f) for k, f in variants.items()}, args.repeats)
+        extra: dict[str, Any] = {}
+        if args.shape is not None:
+
+            def one_method(name: str, pre: Any = pre) -> Any:
+                spec = cw.kv.get_method(name)
+                return synced(
+                    lambda: [cw.kv.kept_positions(spec.score(s), 0.5) for s in pre.stats.values()]
+                )
+
+            one = {name: one_method(name) for name in cw.kv.method_names()}
+            extra["method_s"] = {
+                k: round(v, 5) for k, v in interleaved_medians(one, args.repeats).items()
+            }
+        if cuda:
+            extra["peak_mb"] = {
+                k: round(_peak_mb(variants[k]), 1) for k in ("prefill", "scored", "windowed")
+            }
         row = {
             "context": c,
             **{f"{k}_s": round(v, 4) for k, v in t.items()},
@@ -103,19 +162,40 @@ def main() -> int:
             "scoring_overhead": round(
                 (t["scored"] - t["prefill"] + t["methods"]) / t["prefill"], 3
             ),
+            **extra,
         }
         rows.append(row)
         print(json.dumps(row))
     result = {
         "model": model.name,
+        "dtype": str(model.model.dtype),
         "threads": torch.get_num_threads(),
-        "machine": platform.processor() or platform.machine(),
+        "machine": torch.cuda.get_device_name()
+        if cuda
+        else (platform.processor() or platform.machine()),
         "torch": torch.__version__,
         "rows": rows,
     }
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=2))
     return 0
+
+
+def _peak_mb(fn: Any) -> float:
+    """Peak CUDA memory of one call of ``fn`` above what was allocated before it, in MiB."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return peak / 2**20
 
 
 if __name__ == "__main__":

@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# The GPU checks this project still owes, as one command for a machine with one CUDA GPU and
-# PyTorch + Triton installed (about 10 minutes; each step has its own time limit):
+# The GPU checks, as one command for a machine with one CUDA GPU and PyTorch + Triton
+# installed (about 5 minutes; each step has its own time limit):
 #
-#   1. the tiled Triton kernels (kernels="triton") compiled for this GPU against the plain
-#      torch path (tests/test_tiled.py::test_compiled_on_a_gpu);
-#   2. benchmarks/bench_gpu.py on the 8B-shaped model at 2,048 and 8,192 tokens: sdpa, the
-#      plain no-maps trace, the torch.compile'd one and the tiled kernels;
-#   3. the same at 32,768 tokens for sdpa and the tiled kernels only.
+#   1. on the GPU, against the CPU / the plain path: the tiled Triton kernels
+#      (kernels="triton", tests/test_tiled.py::test_compiled_on_a_gpu) and every KV-cache
+#      method (tests/test_kv.py::test_every_method_compresses_alike_on_a_gpu);
+#   2. benchmarks/bench_kv.py on 2 layers of the 8B-shaped model (every layer has the same
+#      shape, so the ratios to the prefill are those of all 32) at 8,192 and 32,768 tokens:
+#      the prefill, the capture path, the scored prefill, the window-only prefill and each
+#      method's scoring;
+#   3. benchmarks/bench_gpu.py on 2 layers of the 8B-shaped model at 8,192 tokens: sdpa, the
+#      plain no-maps trace and the tiled kernels.
 #
-# Results go to $OUT (default gpu-out/): logs, bench_gpu.json/.md per step. The package is
+# Results go to $OUT (default gpu-out/): logs and each benchmark's .json/.md. The package is
 # used from src/ (PYTHONPATH), so nothing is installed; jaxtyping, beartype and pytest must
 # be importable for step 1.
 #
@@ -16,18 +20,19 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
-mkdir -p "$OUT/short" "$OUT/long"
+mkdir -p "$OUT/trace"
+OUT=$(cd "$OUT" && pwd)
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
-python3 - <<'EOF' 2>&1 | tee "$OUT/versions.txt"
+python3 - <<'PY' 2>&1 | tee "$OUT/versions.txt"
 import torch, transformers, triton
 print("torch", torch.__version__, "transformers", transformers.__version__, "triton", triton.__version__)
 print("gpu", torch.cuda.get_device_name() if torch.cuda.is_available() else None)
-EOF
-timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_tiled.py -k "compiled_on_a_gpu" 2>&1 \
-    | tee "$OUT/test_tiled.log"
-timeout 360 python3 benchmarks/bench_gpu.py --device cuda --lengths 2048,8192 \
-    --methods sdpa,no-maps,no-maps-compiled,no-maps-triton --out "$OUT/short" 2>&1 \
-    | tee "$OUT/bench_short.log"
-timeout 240 python3 benchmarks/bench_gpu.py --device cuda --lengths 32768 \
-    --methods sdpa,no-maps-triton --out "$OUT/long" 2>&1 | tee "$OUT/bench_long.log"
+PY
+timeout 90 python3 -m pytest -q -p no:cacheprovider -rs tests/test_tiled.py tests/test_kv.py \
+    -k "compiled_on_a_gpu or alike_on_a_gpu" 2>&1 | tee "$OUT/tests.log"
+(cd benchmarks && timeout 120 python3 bench_kv.py --shape llama-8b --layers 2 --device cuda \
+    --contexts 8192,32768 --repeats 1 --out "$OUT/bench_kv.json") 2>&1 \
+    | tee "$OUT/bench_kv.log"
+timeout 120 python3 benchmarks/bench_gpu.py --device cuda --layers 2 --lengths 8192 \
+    --methods sdpa,no-maps,no-maps-triton --out "$OUT/trace" 2>&1 | tee "$OUT/bench_gpu.log"
