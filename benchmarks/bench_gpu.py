@@ -19,7 +19,8 @@ one run:
 * ``stream``: ``cw.trace(..., measures="contribution", out=DIR)``, every layer's map
   streamed to a temporary folder in bfloat16 (its size is reported).
 
-Wall time is one run after a warm-up on the same input; peak memory is the accelerator's
+Wall time is one run after a warm-up on the same input (so each row runs twice: budget
+twice its time); peak memory is the accelerator's
 peak allocation above the loaded model (CUDA) or the peak resident memory above it (CPU).
 ``--layers N`` keeps N of the 32 layers (all have the same shape). On a CPU, use
 ``--tiny`` (a 2-layer model of the same family with small sizes; the test suite runs it so).
@@ -72,6 +73,9 @@ class _Ids:
 
 def build_model(tiny: bool, device: str, dtype: str, layers: int | None = None) -> Any:
     """The 8B-shaped model (or the tiny one), with ``layers`` of its layers if given."""
+    total = (TINY if tiny else LLAMA_8B)["num_hidden_layers"]
+    if layers is not None and not 1 <= layers <= total:
+        raise SystemExit(f"--layers must be between 1 and {total}, got {layers}")
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -6,13 +6,15 @@
 #      (kernels="triton", tests/test_tiled.py::test_compiled_on_a_gpu) and every KV-cache
 #      method (tests/test_kv.py::test_every_method_compresses_alike_on_a_gpu);
 #   2. benchmarks/bench_kv.py on 2 layers of the 8B-shaped model (every layer has the same
-#      shape, so the ratios to the prefill are those of all 32) at 8,192 and 32,768 tokens:
+#      shape, so the ratios to the prefill should be about those of all 32) at 8,192 and
+#      32,768 tokens:
 #      the prefill, the capture path, the scored prefill, the window-only prefill and each
 #      method's scoring;
 #   3. benchmarks/bench_gpu.py on 2 layers of the 8B-shaped model at 8,192 tokens: sdpa, the
-#      plain no-maps trace and the tiled kernels.
+#      plain no-maps trace and the tiled kernels (not the torch.compile'd trace, whose
+#      compilation does not fit here: run bench_gpu.py --methods no-maps,no-maps-compiled).
 #
-# Results go to $OUT (default gpu-out/): logs and each benchmark's .json/.md. The package is
+# Results go to $OUT (default gpu-out/): logs, bench_kv.json and trace/bench_gpu.json/.md. The package is
 # used from src/ (PYTHONPATH), so nothing is installed; jaxtyping, beartype and pytest must
 # be importable for step 1.
 #
@@ -29,7 +31,7 @@ import torch, transformers, triton
 print("torch", torch.__version__, "transformers", transformers.__version__, "triton", triton.__version__)
 print("gpu", torch.cuda.get_device_name() if torch.cuda.is_available() else None)
 PY
-timeout 90 python3 -m pytest -q -p no:cacheprovider -rs tests/test_tiled.py tests/test_kv.py \
+timeout 90 python3 -m pytest -q -p no:cacheprovider -rA tests/test_tiled.py tests/test_kv.py \
     -k "compiled_on_a_gpu or alike_on_a_gpu" 2>&1 | tee "$OUT/tests.log"
 (cd benchmarks && timeout 120 python3 bench_kv.py --shape llama-8b --layers 2 --device cuda \
     --contexts 8192,32768 --repeats 1 --out "$OUT/bench_kv.json") 2>&1 \

@@ -701,11 +701,12 @@ def test_tables_md_shows_an_uncompressed_only_run_and_undefined_errors_as_dashes
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])
 def test_every_method_compresses_alike_on_a_gpu(family: str) -> None:
     """Every registered method scored and applied on CUDA keeps the entries it keeps on the
-    CPU, and the continuation's logits agree (float64 model; transformers computes the rotary
-    tables in float32 on each device, which alone moved logits by up to 1.1e-7 on an H200,
-    hence 1e-6). ``random`` is left out: its seeded draw comes from the device's own
-    generator. A head-adaptive method also generates the same tokens on both devices (padded
-    slots, the per-head mask of :mod:`.kv.heads`)."""
+    CPU, and the continuation's logits agree (a float64 model, yet on an H200 the first
+    method's logits differed from the CPU's by up to 1.1e-7, probably because transformers
+    computes the rotary tables in float32 on each device; hence 1e-5, far below what a
+    missed or wrong cache entry moves). ``random`` is left out: its seeded draw comes from the
+    device's own generator. A head-adaptive method also generates the same tokens on both
+    devices (padded slots, the per-head mask of :mod:`.kv.heads`)."""
     model = tiny_model(family, dtype=torch.float64)
     ids = _ids(T + N, seed=11)
     names = [m for m in kv.method_names() if m != "random"]
@@ -738,13 +739,13 @@ def test_every_method_compresses_alike_on_a_gpu(family: str) -> None:
         for layer in kept_c:
             assert torch.equal(kept_c[layer], kept_g[layer]), (key, layer)
     for key in keys:
-        torch.testing.assert_close(gpu[key][1], cpu[key][1], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(gpu[key][1], cpu[key][1], rtol=1e-5, atol=1e-5, msg=str(key))
 
 
 def test_the_cache_goes_under_the_keyword_the_model_reads() -> None:
     """transformers renamed ``past_key_values=`` to ``cache=``; the older releases accept a
     ``cache=`` into ``**kwargs`` and run without it, so a continuation must use the name the
-    model's forward declares (here, both spellings and neither)."""
+    model's forward declares (here, both spellings, neither, and one behind a wrapper)."""
 
     class Old(nn.Module):
         def forward(self, input_ids: Tensor, past_key_values: Any = None, **kwargs: Any) -> Any:
@@ -760,10 +761,21 @@ def test_the_cache_goes_under_the_keyword_the_model_reads() -> None:
 
     assert kv.cache_keyword(Old()) == "past_key_values"
     assert kv.cache_keyword(New()) == "cache"
-    with pytest.raises(TypeError, match="neither cache= nor past_key_values="):
-        kv.cache_keyword(Neither())
     model = tiny_model("llama")
-    assert kv.cache_keyword(model.model) in {"cache", "past_key_values"}
+    own = kv.cache_keyword(model.model)
+    assert own in {"cache", "past_key_values"}
+    # a wrapper that hides the name behind **kwargs gets the installed transformers' name
+    assert kv.cache_keyword(Neither()) == own
+
+    class Compiled(nn.Module):  # torch.compile's OptimizedModule keeps the model here
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self._orig_mod = inner
+
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            return self._orig_mod(*args, **kwargs)
+
+    assert kv.cache_keyword(Compiled(Old())) == "past_key_values"
     # the installed transformers: the compressed cache is really read (it grows)
     pre = kv.prefill(model, _ids(T, seed=1), window=WINDOW)
     small = kv.compress(pre, "snapkv", 0.5)

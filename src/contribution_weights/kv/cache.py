@@ -60,16 +60,31 @@ def n_kept(length: int, ratio: float) -> int:
 def cache_keyword(model: Any) -> str:
     """The keyword a model's forward takes its cache by: ``cache`` in recent transformers,
     ``past_key_values`` before. The older releases take a ``cache=`` silently (into
-    ``**kwargs``) and run without it, so the name must be the one the model reads."""
-    params = inspect.signature(model.forward).parameters
-    if "cache" in params:
-        return "cache"
-    if "past_key_values" in params:
-        return "past_key_values"
-    raise TypeError(
-        f"{type(model).__name__}.forward takes neither cache= nor past_key_values=; "
-        "continuing on a compressed cache needs a transformers causal LM"
-    )
+    ``**kwargs``) and run without it, so the name must be the one the model reads.
+
+    Read from the forward's signature, through ``torch.compile`` (``_orig_mod``), PEFT
+    (``get_base_model()``) and ``functools.wraps`` decorators; a wrapper that hides both
+    names behind ``**kwargs`` gets the installed transformers' own name (its generation
+    code's)."""
+    candidates = [model, getattr(model, "_orig_mod", None)]
+    base = getattr(model, "get_base_model", None)
+    if callable(base):
+        candidates.append(base())
+    for candidate in candidates:
+        forward = getattr(candidate, "forward", None)
+        if forward is None:
+            continue
+        try:
+            params = inspect.signature(inspect.unwrap(forward)).parameters
+        except (TypeError, ValueError):  # no signature to read
+            continue
+        for name in ("cache", "past_key_values"):
+            if name in params:
+                return name
+    from transformers.generation.utils import GenerationMixin
+
+    params = inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def _rows(input_ids: Tensor) -> Tensor:
