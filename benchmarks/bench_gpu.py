@@ -73,7 +73,8 @@ class _Ids:
 
 def build_model(tiny: bool, device: str, dtype: str, layers: int | None = None) -> Any:
     """The 8B-shaped model (or the tiny one), with ``layers`` of its layers if given."""
-    total = (TINY if tiny else LLAMA_8B)["num_hidden_layers"]
+    shape = dict(TINY if tiny else LLAMA_8B)
+    total = shape["num_hidden_layers"]
     if layers is not None and not 1 <= layers <= total:
         raise SystemExit(f"--layers must be between 1 and {total}, got {layers}")
     import torch
@@ -81,7 +82,6 @@ def build_model(tiny: bool, device: str, dtype: str, layers: int | None = None) 
 
     import contribution_weights as cw
 
-    shape = dict(TINY if tiny else LLAMA_8B)
     if layers is not None:
         shape["num_hidden_layers"] = layers
     config = LlamaConfig(**shape)
@@ -91,7 +91,7 @@ def build_model(tiny: bool, device: str, dtype: str, layers: int | None = None) 
     model.eval()
     name = "llama-tiny" if tiny else "llama-3.1-8b-shaped (random weights)"
     if layers is not None:
-        name += f", {layers} of its {(TINY if tiny else LLAMA_8B)['num_hidden_layers']} layers"
+        name += f", {layers} of its {total} layers"
     return cw.LoadedModel(model=model, tokenizer=_Ids(), name=name)
 
 

@@ -127,11 +127,16 @@ def main() -> int:
 
         pre = scored()
 
-        def methods(pre: Any = pre) -> None:
-            for name in cw.kv.method_names():
-                spec = cw.kv.get_method(name)
-                for stats in pre.stats.values():
-                    cw.kv.kept_positions(spec.score(stats), 0.5)
+        def score_one(name: str, pre: Any = pre) -> Any:
+            """One method's scores and kept sets at ratio 0.5, every layer, as a call."""
+            spec = cw.kv.get_method(name)
+            return lambda: [cw.kv.kept_positions(spec.score(s), 0.5) for s in pre.stats.values()]
+
+        per_method = {name: score_one(name) for name in cw.kv.method_names()}
+
+        def methods(per_method: dict[str, Any] = per_method) -> None:
+            for one_method in per_method.values():
+                one_method()
 
         variants = {
             "prefill": plain,
@@ -143,14 +148,7 @@ def main() -> int:
         t = interleaved_medians({k: synced(f) for k, f in variants.items()}, args.repeats)
         extra: dict[str, Any] = {}
         if args.shape is not None:
-
-            def one_method(name: str, pre: Any = pre) -> Any:
-                spec = cw.kv.get_method(name)
-                return synced(
-                    lambda: [cw.kv.kept_positions(spec.score(s), 0.5) for s in pre.stats.values()]
-                )
-
-            one = {name: one_method(name) for name in cw.kv.method_names()}
+            one = {name: synced(f) for name, f in per_method.items()}
             extra["method_s"] = {
                 k: round(v, 5) for k, v in interleaved_medians(one, args.repeats).items()
             }

@@ -479,11 +479,11 @@ def nll_check(
     from contribution_weights.kv import cache_keyword
     from contribution_weights.kv.evaluate import continuation_nll
 
+    cache_key = cache_keyword(net)  # read once: the same for every eviction below
+
     def nll(cache_: Any) -> float:
         with torch.no_grad():
-            logits = net(
-                input_ids=fed[:, :-1], position_ids=pos, **{cache_keyword(net): cache_}
-            ).logits
+            logits = net(input_ids=fed[:, :-1], position_ids=pos, **{cache_key: cache_}).logits
         return continuation_nll(logits, fed[:, 1:])
 
     base = nll(copy.deepcopy(cache))

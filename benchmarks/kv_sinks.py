@@ -85,6 +85,7 @@ def main() -> int:
 
     model = cw.load_model(args.model)
     net = model.model
+    cache_key = cw.kv.cache_keyword(net)  # the name this transformers reads the cache by
     c = args.context
     rows = []
     for ids in lm_items(model, cw.data.load_texts("fineweb-edu"), c, args.n):
@@ -94,18 +95,13 @@ def main() -> int:
         layers = set(pre.stats)
 
         def nll(cache: Any, intervention: Any = None, fed: Any = fed, pos: Any = pos) -> float:
+            kwargs = {"input_ids": fed[:, :-1], "position_ids": pos, cache_key: cache}
             with torch.no_grad():
                 if intervention is None:
-                    logits = net(
-                        input_ids=fed[:, :-1], position_ids=pos, **{cw.kv.cache_keyword(net): cache}
-                    ).logits
+                    logits = net(**kwargs).logits
                 else:
                     with capturing(net, intervention=intervention):
-                        logits = net(
-                            input_ids=fed[:, :-1],
-                            position_ids=pos,
-                            **{cw.kv.cache_keyword(net): cache},
-                        ).logits
+                        logits = net(**kwargs).logits
             return continuation_nll(logits, fed[:, 1:])
 
         evicted = copy.deepcopy(pre.cache)
