@@ -27,6 +27,13 @@ peak allocation above the loaded model (CUDA) or the peak resident memory above 
 
     python benchmarks/bench_gpu.py --device cuda --lengths 2048,8192 --out bench-out
     python benchmarks/bench_gpu.py --tiny --device cpu --lengths 64 --methods sdpa,no-maps,stream
+
+``--profile`` also runs each row once under ``torch.profiler`` (after the warm-up, before
+the timed run, which it does not touch) and writes the operators' table, heaviest self time
+on the device first, to ``OUT/profile-METHOD-T.txt``: where a trace's time goes. Profile
+the tiled or compiled rows: the plain ``no-maps`` row's thousands of small operators make
+its profiled run very slow (it did not finish within 130 s for 2 layers at 8,192 tokens on
+an H200, where its timed run takes 10 s).
 """
 
 from __future__ import annotations
@@ -141,7 +148,9 @@ class Peak:
 KERNELS_OF = {"no-maps": "torch", "no-maps-compiled": "compiled", "no-maps-triton": "triton"}
 
 
-def run(model: Any, method: str, ids: Any, folder: Path) -> dict:
+def run(model: Any, method: str, ids: Any, folder: Path, profile: Path | None = None) -> dict:
+    """One timed run of ``method``; with ``profile``, the run is also profiled (not timed)
+    and the operators' table, heaviest self time on the device first, written there."""
     import torch
 
     import contribution_weights as cw
@@ -167,6 +176,10 @@ def run(model: Any, method: str, ids: Any, folder: Path) -> dict:
                 raise ValueError(method)
 
     cuda = ids.device.type == "cuda"
+    if profile is not None:
+        write_profile(once, cuda, profile)
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir()
     with Peak(str(ids.device)) as peak:
         start = time.perf_counter()
         once()
@@ -184,6 +197,31 @@ def run(model: Any, method: str, ids: Any, folder: Path) -> dict:
     }
 
 
+def write_profile(once: Any, cuda: bool, path: Path, rows: int = 30) -> None:
+    """Run ``once`` under torch.profiler and write its operators' table to ``path``:
+    sorted by self time on the GPU (CUDA) or the CPU, ``rows`` rows, with the wall time
+    of the profiled run (which the profiler itself slows) at the top."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        once()
+        if cuda:
+            torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    events = prof.key_averages()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    busy = sum(getattr(e, key) for e in events) / 1e6
+    table = events.table(sort_by=key, row_limit=rows, max_name_column_width=70)
+    where = "on the GPU (kernels)" if cuda else "on the CPU (operators)"
+    path.write_text(
+        f"profiled run: {seconds:.3f} s wall under the profiler, {busy:.3f} s busy {where}\n"
+        f"{table}\n"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
@@ -193,10 +231,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="a tiny model of the same family")
     parser.add_argument("--layers", type=int, default=None, help="this many of its layers")
     parser.add_argument("--out", type=Path, default=Path("bench-out"))
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile each row once (torch.profiler, after the warm-up, not timed) and "
+        "write its operators' table to OUT/profile-METHOD-T.txt",
+    )
     args = parser.parse_args(argv)
     import torch
 
     model = build_model(args.tiny, args.device, args.dtype, args.layers)
+    args.out.mkdir(parents=True, exist_ok=True)
     results = []
     for length in [int(x) for x in args.lengths.split(",")]:
         g = torch.Generator().manual_seed(length)
@@ -209,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
             # the same layers, warmed up on its own input, took 16 ms)
             run(model, method, ids, folder)
             folder = Path(tempfile.mkdtemp(prefix="cw-gpu-bench-"))
-            r = run(model, method, ids, folder)
+            profile = args.out / f"profile-{method}-{length}.txt" if args.profile else None
+            r = run(model, method, ids, folder, profile)
             results.append(r)
             print(
                 f"T={length:6d} {method:8s} {r['seconds']:8.2f} s  peak {r['peak_mb']:9.0f} MB"
@@ -232,7 +278,6 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['tokens']} | {r['method']} | {r['seconds']:.2f} | {ratio} | "
             f"{r['peak_mb']:.0f} | {disk} |"
         )
-    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_gpu.md").write_text("\n".join(lines) + "\n")
     (args.out / "bench_gpu.json").write_text(
         json.dumps({"machine": machine, "results": results}, indent=2)

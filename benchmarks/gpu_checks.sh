@@ -12,11 +12,14 @@
 #      method's scoring;
 #   3. benchmarks/bench_gpu.py on 2 layers of the 8B-shaped model at 8,192 tokens: sdpa, the
 #      plain no-maps trace and the tiled kernels (not the torch.compile'd trace, whose
-#      compilation does not fit here: run bench_gpu.py --methods no-maps,no-maps-compiled).
+#      compilation does not fit here: run bench_gpu.py --methods no-maps,no-maps-compiled);
+#   4. the tiled kernels' row again under torch.profiler (bench_gpu.py --profile): the
+#      kernels' and operators' table, heaviest GPU time first (about 10 s).
 #
 # Results go to $OUT (default gpu-out/): logs, bench_kv.json and trace/bench_gpu.json/.md. The package is
 # used from src/ (PYTHONPATH), so nothing is installed; jaxtyping, beartype and pytest must
-# be importable for step 1.
+# be importable for step 1 (install them with `python3 -m pip`: a bare `pip` may belong to
+# another environment than python3, as it did on the H200 we used).
 #
 #   OUT=gpu-out bash benchmarks/gpu_checks.sh
 set -uo pipefail
@@ -38,3 +41,5 @@ timeout 90 python3 -m pytest -q -p no:cacheprovider -rA tests/test_tiled.py test
     | tee "$OUT/bench_kv.log"
 timeout 120 python3 benchmarks/bench_gpu.py --device cuda --layers 2 --lengths 8192 \
     --methods sdpa,no-maps,no-maps-triton --out "$OUT/trace" 2>&1 | tee "$OUT/bench_gpu.log"
+timeout 90 python3 benchmarks/bench_gpu.py --device cuda --layers 2 --lengths 8192 \
+    --methods no-maps-triton --profile --out "$OUT/profile" 2>&1 | tee "$OUT/profile.log"
