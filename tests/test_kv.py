@@ -357,6 +357,20 @@ def test_an_interrupted_kv_eval_keeps_its_items_and_says_it_did_not_finish(
     assert done.per_item["item"].nunique() == 3
     assert json.loads((tmp_path / "run" / "run_info.json").read_text())["finished"] is True
 
+    # a run in progress under accelerate launch: items 1 and 2 still in their processes'
+    # parts (one with a line cut mid-write), item 0 merged by an earlier session
+    run = tmp_path / "run"
+    lines = (run / "per_item.csv").read_text().splitlines(keepends=True)
+    header, body = lines[0], lines[1:]
+    of = {i: [x for x in body if x.startswith(f"{i},")] for i in range(3)}
+    (run / "per_item.csv").write_text(header + "".join(of[0]))
+    for rank, item in ((0, 1), (1, 2)):
+        (run / "parts" / str(rank)).mkdir(parents=True)
+        cut = of[0][0][:7] if rank else ""
+        (run / "parts" / str(rank) / "per_item.csv").write_text(header + "".join(of[item]) + cut)
+    live = kv_module.KVEvalResult.load(run).per_item
+    pd.testing.assert_frame_equal(live, done.per_item, check_dtype=False)
+
 
 def test_cli_rejects_bad_ratios_and_methods_before_loading(tmp_path: Any, capsys: Any) -> None:
     from contribution_weights.cli import main

@@ -20,6 +20,8 @@ accuracy of the same task and setting uncompressed (``uncompressed_accuracy``).
 from __future__ import annotations
 
 import contextlib
+import csv
+import io
 import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -48,8 +50,8 @@ from .paired import (
     verdict,
 )
 from .result import SUMMARY as SUMMARY  # re-exported: the summary file
-from .result import RowsResult, markdown_table, shown, warn_few_samples, write_csv
-from .runner import Experiment, Phase, run_experiment
+from .result import RowsResult, markdown_table, read_csv, shown, warn_few_samples, write_csv
+from .runner import PARTS, Experiment, Phase, run_experiment
 
 TASKS = KV_TASKS
 METRIC = {"lm": "nll", "passkey": "accuracy", "ruler": "accuracy"}
@@ -219,12 +221,29 @@ class KVEvalResult(RowsResult):
     def from_files(
         cls, folder: Path, config: dict[str, Any], run_info: dict[str, Any]
     ) -> KVEvalResult:
-        """The complete items written so far (a finished or an interrupted run)."""
-        per_item = pd.read_csv(folder / PER_ITEM)
+        """The complete items written so far: of a finished or an interrupted run, and of
+        one still running under ``accelerate launch``, whose processes write their items to
+        ``parts/<rank>/`` until the end of the run merges them."""
+        per_item = _read_per_item(folder)
         rows_per_item = per_item.groupby("item").size()
         complete = rows_per_item[rows_per_item == rows_per_item.max()].index
         rows = per_item[per_item["item"].isin(complete)].reset_index(drop=True)
         return cls(rows, config, run_info)
+
+
+def _read_per_item(folder: Path) -> pd.DataFrame:
+    """``per_item.csv`` of a run folder and of its processes' parts, in that order; a line
+    cut by a write in progress is left out."""
+    paths = [folder / PER_ITEM, *sorted((folder / PARTS).glob(f"*/{PER_ITEM}"))]
+    rows = [r for path in paths if path.is_file() for r in read_csv(path) if None not in r.values()]
+    if not rows:
+        raise FileNotFoundError(f"{folder} holds no {PER_ITEM} yet: no item has finished")
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    buf.seek(0)
+    return pd.read_csv(buf)
 
 
 def _decided_line(what: str, frame: pd.DataFrame, metric: str) -> str:
