@@ -68,6 +68,53 @@ def _paired(rows: list[dict[str, float]]) -> dict[str, dict[str, float]]:
     return out
 
 
+def item_row(model: Any, ids: Any, c: int, continuation: int = 128) -> dict[str, float]:
+    """One item's row: the continuation's NLL with token 0 kept, evicted (renormalised) and
+    zeroed (not renormalised), through the capture path with nothing zeroed as a check, and
+    token 0's shares of the window's attention and absolute contribution. ``ids``: the
+    item's ``(1, ·)`` ids: ``c`` prefill tokens and the ``continuation + 1`` after them."""
+    import torch
+
+    import contribution_weights as cw
+    from contribution_weights.capture import capturing
+    from contribution_weights.kv.evaluate import continuation_nll
+
+    net = model.model
+    cache_key = cw.kv.cache_keyword(net)  # the name this transformers reads the cache by
+    prefix, fed = ids[:, :c], ids[:, c : c + continuation + 1]
+    pre = cw.kv.prefill(model, prefix)
+    pos = torch.arange(c, c + fed.shape[1] - 1)[None]
+    layers = set(pre.stats)
+
+    def nll(cache: Any, intervention: Any = None) -> float:
+        kwargs = {"input_ids": fed[:, :-1], "position_ids": pos, cache_key: cache}
+        with torch.no_grad():
+            if intervention is None:
+                logits = net(**kwargs).logits
+            else:
+                with capturing(net, intervention=intervention):
+                    logits = net(**kwargs).logits
+        return continuation_nll(logits, fed[:, 1:])
+
+    evicted = copy.deepcopy(pre.cache)
+    for i in layers:
+        evicted.layers[i].keys = evicted.layers[i].keys[:, :, 1:].contiguous()
+        evicted.layers[i].values = evicted.layers[i].values[:, :, 1:].contiguous()
+    alpha = [float(s.window_probs[..., 0].mean()) for s in pre.stats.values()]
+    share = [
+        float((s.window_contribution[..., 0] / s.window_contribution.sum(-1)).mean())
+        for s in pre.stats.values()
+    ]
+    return {
+        "nll_full": nll(copy.deepcopy(pre.cache)),
+        "nll_full_capture": nll(copy.deepcopy(pre.cache), _ZeroFirstColumn(set())),
+        "nll_evicted": nll(evicted),
+        "nll_zeroed": nll(copy.deepcopy(pre.cache), _ZeroFirstColumn(layers)),
+        "alpha_share_token0": statistics.mean(alpha),
+        "contribution_share_token0": statistics.mean(share),
+    }
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None)
@@ -77,52 +124,14 @@ def main() -> int:
     args = p.parse_args()
     data_dir()  # $CW_DATA_DIR, checked
 
-    import torch
-
     import contribution_weights as cw
-    from contribution_weights.capture import capturing
-    from contribution_weights.kv.evaluate import continuation_nll, lm_item, lm_items
+    from contribution_weights.kv.evaluate import CONTINUATION, lm_items
 
     model = cw.load_model(args.model)
-    net = model.model
-    cache_key = cw.kv.cache_keyword(net)  # the name this transformers reads the cache by
     c = args.context
     rows = []
     for ids in lm_items(model, cw.data.load_texts("fineweb-edu"), c, args.n):
-        prefix, fed = lm_item(ids, c)
-        pre = cw.kv.prefill(model, prefix)
-        pos = torch.arange(c, c + 128)[None]
-        layers = set(pre.stats)
-
-        def nll(cache: Any, intervention: Any = None, fed: Any = fed, pos: Any = pos) -> float:
-            kwargs = {"input_ids": fed[:, :-1], "position_ids": pos, cache_key: cache}
-            with torch.no_grad():
-                if intervention is None:
-                    logits = net(**kwargs).logits
-                else:
-                    with capturing(net, intervention=intervention):
-                        logits = net(**kwargs).logits
-            return continuation_nll(logits, fed[:, 1:])
-
-        evicted = copy.deepcopy(pre.cache)
-        for i in layers:
-            evicted.layers[i].keys = evicted.layers[i].keys[:, :, 1:].contiguous()
-            evicted.layers[i].values = evicted.layers[i].values[:, :, 1:].contiguous()
-        alpha = [float(s.window_probs[..., 0].mean()) for s in pre.stats.values()]
-        share = [
-            float((s.window_contribution[..., 0] / s.window_contribution.sum(-1)).mean())
-            for s in pre.stats.values()
-        ]
-        rows.append(
-            {
-                "nll_full": nll(copy.deepcopy(pre.cache)),
-                "nll_full_capture": nll(copy.deepcopy(pre.cache), _ZeroFirstColumn(set())),
-                "nll_evicted": nll(evicted),
-                "nll_zeroed": nll(copy.deepcopy(pre.cache), _ZeroFirstColumn(layers)),
-                "alpha_share_token0": statistics.mean(alpha),
-                "contribution_share_token0": statistics.mean(share),
-            }
-        )
+        rows.append(item_row(model, ids[None], c, CONTINUATION))  # lm_item's split
         print(json.dumps(rows[-1]))
     summary = {k: statistics.mean(r[k] for r in rows) for k in rows[0]}
     if len(rows) < 2:
