@@ -121,6 +121,123 @@ class KVEvalResult(RowsResult):
         ratio, tested (:func:`setting_pairs`)."""
         return setting_pairs(self.per_item) if self.config["task"] == "ruler" else pd.DataFrame()
 
+    def join(self, *others: KVEvalResult) -> KVEvalResult:
+        """One result from runs of other methods on the same items, as if one run had run
+        them all: its tables then test every method against every other item by item.
+
+        The runs must share the model, data, task, context length, window, seed and (RULER)
+        settings; RULER
+        items are matched by task and number within the task (they are generated from
+        those and the seed), so runs of different task lists join on their common tasks.
+        Their uncompressed rows must agree item by item (else the items differ, and the
+        join is refused); a method already in this result keeps this result's rows. The
+        items kept are those every run has finished."""
+        same = ("task", "model", "texts_sha256", "context_tokens", "seed", "settings", "window")
+        rows, methods = [self._numbered()], list(self.config["methods"])
+        for other in others:
+            differ = [k for k in same if self.config.get(k) != other.config.get(k)]
+            if differ:
+                raise ValueError(
+                    f"cannot join runs whose {', '.join(differ)} differ; run the methods "
+                    "with the same model, data and options (--methods, --ruler-tasks, --n and "
+                    "--ratios may differ)"
+                )
+            theirs = other._numbered()
+            theirs = theirs[~theirs["method"].isin(set(methods) | {NO_COMPRESSION})]
+            self._check_same_items(other)
+            rows.append(theirs)
+            methods += [m for m in other.config["methods"] if m not in methods]
+        joined = pd.concat(rows, ignore_index=True)
+        keep = set.intersection(*(set(r["_key"]) for r in rows))
+        joined = joined[joined["_key"].isin(keep)]
+        numbers = {k: i for i, k in enumerate(sorted(keep))}
+        joined = joined.assign(item=joined["_key"].map(numbers)).drop(columns="_key")
+        config = {**self.config, "methods": methods}
+        if "ruler_tasks" in config:
+            config["ruler_tasks"] = [
+                t for t in self.config["ruler_tasks"]
+                if all(t in o.config["ruler_tasks"] for o in others)
+            ]  # fmt: skip
+        info = {**self.run_info, "joined": [o.config.get("methods") for o in others]}
+        return KVEvalResult(joined.reset_index(drop=True), config, info)
+
+    def _numbered(self) -> pd.DataFrame:
+        """The rows with ``_key``: (task, number within the task), which the items are
+        generated from (a RULER run numbers its items over all its tasks in turn)."""
+        rows = self.per_item
+        if self.config["task"] != "ruler":
+            return rows.assign(_key=list(zip([""] * len(rows), rows["item"], strict=True)))
+        n, tasks = self.config["n"], list(self.config["ruler_tasks"])
+        within = rows["item"] - rows["task"].map(tasks.index) * n
+        return rows.assign(_key=list(zip(rows["task"], within, strict=True)))
+
+    def _check_same_items(self, other: KVEvalResult) -> None:
+        """Refuse a join whose uncompressed rows differ on a common item."""
+        metric = METRIC[self.config["task"]]
+        cols = [c for c in (metric, "output") if c in self.per_item.columns]
+        index = ["_key", "setting"] if self.config["task"] == "ruler" else ["_key"]
+
+        def base(result: KVEvalResult) -> pd.DataFrame:
+            rows = result._numbered()
+            return rows[rows["method"] == NO_COMPRESSION].set_index(index)[cols]
+
+        mine, theirs = base(self), base(other)
+        if mine.empty or theirs.empty:
+            raise ValueError(
+                "a run to join has no uncompressed rows to show that the items are the same: "
+                "run each with ratio 0 among --ratios"
+            )
+        common = mine.index.intersection(theirs.index)
+        if common.empty:
+            raise ValueError("the runs have no item in common: nothing to join")
+        a, b = mine.loc[common].sort_index(), theirs.loc[common].sort_index()
+        differs = ~((a == b) | (a.isna() & b.isna())).all(axis=1)
+        if differs.any():
+            raise ValueError(
+                f"the uncompressed rows differ on {int(differs.sum())} of {len(common)} common "
+                "items: the runs did not see the same items (another model, data set or "
+                "generator version?)"
+            )
+
+    def versus(self, pairs: Sequence[tuple[str, str]]) -> pd.DataFrame:
+        """Planned comparisons: each ``(method, base)`` pair per ratio (and RULER task and
+        setting), d = metric(method) − metric(base) item by item, with the n, mean, s.e.,
+        bootstrap interval, p of :meth:`pairs`' test, the items where the method is
+        better, worse and the same (for accuracies), and Holm over all the comparisons of
+        the table; the verdict is ``method better``, ``base better`` or ``tie``."""
+        metric = METRIC[self.config["task"]]
+        higher = HIGHER_IS_BETTER[metric]
+        known = set(self.per_item["method"])
+        missing = sorted({m for pair in pairs for m in pair} - known)
+        if missing:
+            raise ValueError(f"not in this result: {', '.join(missing)}; it has {sorted(known)}")
+        ruler = self.config["task"] == "ruler"
+        groups = ["task", "setting", "ratio"] if ruler else ["ratio"]
+        rows = self.per_item[self.per_item["method"] != NO_COMPRESSION]
+        out = []
+        for key, frame in rows.groupby(groups, sort=True):
+            values = frame.pivot_table(index="item", columns="method", values=metric)
+            for method, base in pairs:
+                d = (values[method] - values[base]).dropna().to_numpy(float)
+                n, mean, se, low, high, p = difference_stats(d, TEST[metric])
+                keys = dict(zip(groups, key if isinstance(key, tuple) else (key,), strict=True))
+                out.append({**keys, "method": method, "base": base, "n": n, "mean": mean,
+                            "se": se, "ci_low": low, "ci_high": high, "p": p,
+                            "better": int((d > 0).sum() if higher else (d < 0).sum()),
+                            "worse": int((d < 0).sum() if higher else (d > 0).sum()),
+                            "same": int((d == 0).sum())})  # fmt: skip
+        table = pd.DataFrame(out)
+        if table.empty:
+            return table
+        table["p_holm"] = holm(table["p"].to_numpy())
+        table["verdict"] = [
+            {REFERENCE_BETTER: "method better", OTHER_BETTER: "base better", TIE: TIE}[
+                verdict(r.mean, r.p_holm, not (r.ci_low <= 0 <= r.ci_high), higher)
+            ]
+            for r in table.itertuples()
+        ]
+        return table
+
     def ranking(self, pairs: pd.DataFrame | None = None) -> pd.DataFrame:
         """Per ratio (and RULER task and setting) and method: n, mean, s.e. and how many
         other methods it beats, loses to and ties with by the verdicts of
