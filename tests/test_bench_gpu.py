@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+from benchmark_scripts import load_benchmark
 
 import contribution_weights as cw
 
@@ -14,10 +15,7 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_gpu.py"
 
 
 def test_bench_gpu_runs_tiny_on_cpu(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_gpu", BENCH)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("bench_gpu")
     assert bench.LLAMA_8B["num_hidden_layers"] == 32 and bench.LLAMA_8B["vocab_size"] == 128_256
     code = bench.main(
         [

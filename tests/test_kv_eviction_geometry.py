@@ -6,14 +6,12 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import importlib.util
-import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from benchmark_scripts import load_benchmark
 from scipy.stats import spearmanr
 from tiny_models import tiny_model
 
@@ -21,23 +19,12 @@ import contribution_weights as cw
 from contribution_weights.capture import capturing
 from contribution_weights.families import FAMILIES, register_family
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 C, WINDOW, K = 24, 6, 5  # prefill, observation window, continuation
 
 
 @pytest.fixture(scope="module")
 def geometry() -> Any:
-    sys.path.insert(0, str(BENCHMARKS))  # the script imports _timing from beside it
-    try:
-        spec = importlib.util.spec_from_file_location(
-            "kv_eviction_geometry", BENCHMARKS / "kv_eviction_geometry.py"
-        )
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    return module
+    return load_benchmark("kv_eviction_geometry")
 
 
 def _ids(length: int = C + K + 1) -> torch.Tensor:

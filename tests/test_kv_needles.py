@@ -3,7 +3,6 @@ needle found or not as the output says, and the kept sets it reads add up to the
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import pytest
+from benchmark_scripts import load_benchmark
 
 from contribution_weights import kv
 
@@ -20,11 +20,7 @@ TASK = "niah_multivalue"
 
 
 def _script() -> Any:
-    spec = importlib.util.spec_from_file_location("kv_needles", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("kv_needles")
 
 
 @pytest.fixture(scope="module")

@@ -3,33 +3,22 @@ the model's own forward with token 0 masked out, and the paired differences."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from benchmark_scripts import load_benchmark
 from tiny_models import tiny_model
 
 from contribution_weights.kv.evaluate import continuation_nll
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 C, K = 20, 6
 
 
 @pytest.fixture(scope="module")
 def sinks() -> Any:
-    sys.path.insert(0, str(BENCHMARKS))  # the script imports _timing from beside it
-    try:
-        spec = importlib.util.spec_from_file_location("kv_sinks", BENCHMARKS / "kv_sinks.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    return module
+    return load_benchmark("kv_sinks")
 
 
 def _masked_nll(model: Any, ids: torch.Tensor, masked: bool) -> float:
