@@ -203,6 +203,7 @@ def write_profile(once: Any, cuda: bool, path: Path, rows: int = 30) -> None:
     sorted by self time on the GPU (CUDA) or the CPU, ``rows`` rows, with the wall time
     of the profiled run (which the profiler itself slows) at the top."""
     import torch
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -214,7 +215,12 @@ def write_profile(once: Any, cuda: bool, path: Path, rows: int = 30) -> None:
     seconds = time.perf_counter() - start
     events = prof.key_averages()
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    busy = sum(getattr(e, key) for e in events) / 1e6
+    if cuda:  # the kernels themselves, as the table's own total counts them (an operator's
+        # self device time is its kernels' again)
+        on_gpu = [e for e in events if e.device_type == DeviceType.CUDA]
+        busy = sum(e.self_device_time_total for e in on_gpu if not e.is_user_annotation) / 1e6
+    else:
+        busy = sum(e.self_cpu_time_total for e in events) / 1e6
     table = events.table(sort_by=key, row_limit=rows, max_name_column_width=70)
     where = "on the GPU (kernels)" if cuda else "on the CPU (operators)"
     path.write_text(
