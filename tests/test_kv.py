@@ -357,17 +357,19 @@ def test_an_interrupted_kv_eval_keeps_its_items_and_says_it_did_not_finish(
     assert done.per_item["item"].nunique() == 3
     assert json.loads((tmp_path / "run" / "run_info.json").read_text())["finished"] is True
 
-    # a run in progress under accelerate launch: items 1 and 2 still in their processes'
-    # parts (one with a line cut mid-write), item 0 merged by an earlier session
+    # a run in progress under accelerate launch: items 2 and 1 still in their processes'
+    # parts (one with a line cut mid-write), item 0 merged by an earlier session and, as
+    # a merge cut short leaves it, still in a part too (with other numbers: the merged
+    # file's rows are the ones read)
     run = tmp_path / "run"
     lines = (run / "per_item.csv").read_text().splitlines(keepends=True)
     header, body = lines[0], lines[1:]
     of = {i: [x for x in body if x.startswith(f"{i},")] for i in range(3)}
     (run / "per_item.csv").write_text(header + "".join(of[0]))
-    for rank, item in ((0, 1), (1, 2)):
+    stale = [x[:-1] + "9\n" for x in of[0]]  # its last number changed
+    for rank, rows in ((0, of[2] + stale), (1, of[1] + [of[0][0][:30]])):
         (run / "parts" / str(rank)).mkdir(parents=True)
-        cut = of[0][0][:7] if rank else ""
-        (run / "parts" / str(rank) / "per_item.csv").write_text(header + "".join(of[item]) + cut)
+        (run / "parts" / str(rank) / "per_item.csv").write_text(header + "".join(rows))
     live = kv_module.KVEvalResult.load(run).per_item
     pd.testing.assert_frame_equal(live, done.per_item, check_dtype=False)
 

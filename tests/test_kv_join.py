@@ -28,7 +28,12 @@ def _passkey(
 def test_two_runs_join_into_one_and_planned_pairs_are_tested() -> None:
     model = tiny_model("llama")
     first, second = _passkey(model, "h2o_recent,snapkv"), _passkey(model, "h2o,snapkv")
+    rows = second.per_item.copy()
+    again = rows["method"] == "snapkv"
+    rows.loc[again, "accuracy"] = 1 - rows.loc[again, "accuracy"]  # told apart from the first's
+    second = KVEvalResult(rows, second.config, second.run_info)
     joined = first.join(second)
+    assert joined.config["ruler_tasks"] == first.config["ruler_tasks"]  # not a RULER run
     assert joined.config["methods"] == ["h2o_recent", "snapkv", "h2o"]
     rows = joined.per_item
     assert (rows["method"] == "none").sum() == 3  # the uncompressed rows once
@@ -58,6 +63,15 @@ def test_two_runs_join_into_one_and_planned_pairs_are_tested() -> None:
     assert set(table["verdict"]) <= {"method better", "base better", "tie"}
     with pytest.raises(ValueError, match="not in this result: knorm"):
         joined.versus([("knorm", "h2o")])
+    with pytest.raises(ValueError, match="versus_uncompressed"):
+        joined.versus([("h2o", "none")])
+    # a run that adds no new method changes nothing
+    same = first.join(_passkey(model, "snapkv"))
+    pd.testing.assert_frame_equal(same.per_item, first.per_item, check_dtype=False)
+    # a method one run has at a ratio the other lacks: compared where both ran
+    short = _passkey(model, "knorm", ratios=(0, 0.5))
+    mixed = first.join(short).versus([("knorm", "snapkv")])
+    assert list(mixed["ratio"]) == [0.5]
 
 
 def test_a_join_of_different_items_is_refused() -> None:
@@ -94,16 +108,42 @@ def _ruler(tasks: list[str], methods: list[str], n: int, accuracy: Any) -> KVEva
     return KVEvalResult(pd.DataFrame(rows), config, {})
 
 
-def test_ruler_items_join_by_task_and_number_within_it() -> None:
-    def acc(task: str, j: int, method: str) -> float:
-        return float((j + len(task) + len(method)) % 2)
+def _acc(task: str, j: int, method: str) -> float:
+    return float((j + len(task) + len(method)) % 2)
 
-    grid = _ruler(["niah_single", "niah_multikey"], ["snapkv"], 4, acc)
-    rest = _ruler(["niah_multikey"], ["h2o"], 3, acc)  # the first 3 multi-key items only
+
+def test_ruler_items_join_by_task_and_number_within_it() -> None:
+    grid = _ruler(["niah_single", "niah_multikey"], ["snapkv"], 4, _acc)
+    rest = _ruler(["niah_multikey"], ["h2o"], 3, _acc)  # the first 3 multi-key items only
     joined = grid.join(rest)
-    assert joined.config["ruler_tasks"] == ["niah_multikey"]
+    assert joined.config["ruler_tasks"] == ["niah_multikey"] and joined.config["n"] == 3
     rows = joined.per_item
     assert sorted(rows["item"].unique()) == [0, 1, 2]
     for _, r in rows.iterrows():  # every row is its own item's: multi-key item r.item
         assert r["output"] == f"niah_multikey-{r['item']}"
-        assert r["accuracy"] == acc("niah_multikey", r["item"], r["method"])
+        assert r["accuracy"] == _acc("niah_multikey", r["item"], r["method"])
+
+
+def test_ruler_joins_of_two_common_tasks_chain() -> None:
+    grid = _ruler(["niah_single", "niah_multikey"], ["snapkv"], 4, _acc)
+    rest = _ruler(["niah_single", "niah_multikey"], ["h2o"], 3, _acc)
+    third = _ruler(["niah_multikey", "niah_single"], ["knorm"], 2, _acc)  # another order
+    # an empty output: "" in a run's own result, missing when read back from its CSV
+    rows = grid.per_item.copy()
+    rows.loc[(rows["method"] == "none") & (rows["item"] == 4), "output"] = np.nan  # key j = 0
+    grid = KVEvalResult(rows, grid.config, {})
+
+    def blank(run: KVEvalResult) -> KVEvalResult:
+        rows = run.per_item.copy()
+        first_key = run.config["ruler_tasks"].index("niah_multikey") * run.config["n"]
+        rows.loc[(rows["method"] == "none") & (rows["item"] == first_key), "output"] = ""
+        return KVEvalResult(rows, run.config, {})
+
+    rest, third = blank(rest), blank(third)
+    once = grid.join(rest, third).per_item
+    assert once["item"].nunique() == 4  # 2 items of each task, numbered as one run would
+    chained = grid.join(rest).join(third).per_item
+    pd.testing.assert_frame_equal(once, chained)
+    for _, r in once.iterrows():
+        task, j = r["task"], r["item"] - 2 * ["niah_single", "niah_multikey"].index(r["task"])
+        assert r["accuracy"] == _acc(task, j, r["method"])

@@ -28,6 +28,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import torch
 
@@ -50,7 +51,7 @@ from .paired import (
     verdict,
 )
 from .result import SUMMARY as SUMMARY  # re-exported: the summary file
-from .result import RowsResult, markdown_table, read_csv, shown, warn_few_samples, write_csv
+from .result import RowsResult, markdown_table, shown, warn_few_samples, write_csv
 from .runner import PARTS, Experiment, Phase, run_experiment
 
 TASKS = KV_TASKS
@@ -126,14 +127,14 @@ class KVEvalResult(RowsResult):
         them all: its tables then test every method against every other item by item.
 
         The runs must share the model, data, task, context length, window, seed and (RULER)
-        settings; RULER
-        items are matched by task and number within the task (they are generated from
-        those and the seed), so runs of different task lists join on their common tasks.
-        Their uncompressed rows must agree item by item (else the items differ, and the
-        join is refused); a method already in this result keeps this result's rows. The
-        items kept are those every run has finished."""
+        settings; RULER items are matched by task and number within the task (they are
+        generated from those and the seed), so runs of different task lists join on their
+        common tasks, and runs of different ``n`` on their common items. Their uncompressed
+        rows must agree item by item (else the items differ, and the join is refused). A
+        (method, ratio) already in this result keeps this result's rows. The items kept are
+        those every run has finished, numbered as one run of the common tasks would."""
         same = ("task", "model", "texts_sha256", "context_tokens", "seed", "settings", "window")
-        rows, methods = [self._numbered()], list(self.config["methods"])
+        runs = [self, *others]
         for other in others:
             differ = [k for k in same if self.config.get(k) != other.config.get(k)]
             if differ:
@@ -142,24 +143,31 @@ class KVEvalResult(RowsResult):
                     "with the same model, data and options (--methods, --ruler-tasks, --n and "
                     "--ratios may differ)"
                 )
-            theirs = other._numbered()
-            theirs = theirs[~theirs["method"].isin(set(methods) | {NO_COMPRESSION})]
             self._check_same_items(other)
-            rows.append(theirs)
+        numbered = [run._numbered() for run in runs]
+        keep = set.intersection(*(set(r["_key"]) for r in numbered))
+        rows, methods = [numbered[0]], list(self.config["methods"])
+        seen = set(zip(numbered[0]["method"], numbered[0]["ratio"], strict=True))
+        for other, theirs in zip(others, numbered[1:], strict=True):
+            pairs = pd.Series(list(zip(theirs["method"], theirs["ratio"], strict=True)))
+            new = ~pairs.isin(seen).to_numpy() & (theirs["method"] != NO_COMPRESSION).to_numpy()
+            rows.append(theirs[new])
+            seen |= set(pairs[new])
             methods += [m for m in other.config["methods"] if m not in methods]
         joined = pd.concat(rows, ignore_index=True)
-        keep = set.intersection(*(set(r["_key"]) for r in rows))
         joined = joined[joined["_key"].isin(keep)]
-        numbers = {k: i for i, k in enumerate(sorted(keep))}
-        joined = joined.assign(item=joined["_key"].map(numbers)).drop(columns="_key")
-        config = {**self.config, "methods": methods}
-        if "ruler_tasks" in config:
-            config["ruler_tasks"] = [
-                t for t in self.config["ruler_tasks"]
-                if all(t in o.config["ruler_tasks"] for o in others)
-            ]  # fmt: skip
+        config = {**self.config, "methods": methods, "n": min(r.config["n"] for r in runs)}
+        if self.config["task"] == "ruler":
+            tasks = [t for t in self.config["ruler_tasks"]
+                     if all(t in o.config["ruler_tasks"] for o in others)]  # fmt: skip
+            config["ruler_tasks"] = tasks
+            number = {k: tasks.index(k[0]) * config["n"] + k[1] for k in keep}
+        else:
+            number = {k: k[1] for k in keep}
+        joined = joined.assign(item=joined["_key"].map(number)).drop(columns="_key")
+        joined = joined.sort_values("item", kind="stable").reset_index(drop=True)
         info = {**self.run_info, "joined": [o.config.get("methods") for o in others]}
-        return KVEvalResult(joined.reset_index(drop=True), config, info)
+        return KVEvalResult(joined, config, info)
 
     def _numbered(self) -> pd.DataFrame:
         """The rows with ``_key``: (task, number within the task), which the items are
@@ -172,14 +180,18 @@ class KVEvalResult(RowsResult):
         return rows.assign(_key=list(zip(rows["task"], within, strict=True)))
 
     def _check_same_items(self, other: KVEvalResult) -> None:
-        """Refuse a join whose uncompressed rows differ on a common item."""
-        metric = METRIC[self.config["task"]]
-        cols = [c for c in (metric, "output") if c in self.per_item.columns]
+        """Refuse a join whose uncompressed rows differ on a common item: the text columns
+        compared as text (a CSV reads an empty output back as missing, a number-like one as
+        a number), the numbers to 1e-6 relative (another device or library may round the
+        last digits differently)."""
         index = ["_key", "setting"] if self.config["task"] == "ruler" else ["_key"]
+        numbers = [c for c in ("nll", "accuracy", "answer_nll") if c in self.per_item.columns]
+        texts = [c for c in ("output", "answers", "answer") if c in self.per_item.columns]
 
         def base(result: KVEvalResult) -> pd.DataFrame:
             rows = result._numbered()
-            return rows[rows["method"] == NO_COMPRESSION].set_index(index)[cols]
+            rows = rows[rows["method"] == NO_COMPRESSION].set_index(index)
+            return rows[[c for c in numbers + texts if c in rows.columns]]
 
         mine, theirs = base(self), base(other)
         if mine.empty or theirs.empty:
@@ -191,10 +203,16 @@ class KVEvalResult(RowsResult):
         if common.empty:
             raise ValueError("the runs have no item in common: nothing to join")
         a, b = mine.loc[common].sort_index(), theirs.loc[common].sort_index()
-        differs = ~((a == b) | (a.isna() & b.isna())).all(axis=1)
-        if differs.any():
+        same = pd.Series(True, index=a.index)
+        for col in a.columns.intersection(b.columns):
+            if col in numbers:
+                x, y = a[col].to_numpy(float), b[col].to_numpy(float)
+                same &= np.isclose(x, y, rtol=1e-6, atol=1e-9) | (np.isnan(x) & np.isnan(y))
+            else:
+                same &= a[col].fillna("").astype(str) == b[col].fillna("").astype(str)
+        if not same.all():
             raise ValueError(
-                f"the uncompressed rows differ on {int(differs.sum())} of {len(common)} common "
+                f"the uncompressed rows differ on {int((~same).sum())} of {len(common)} common "
                 "items: the runs did not see the same items (another model, data set or "
                 "generator version?)"
             )
@@ -207,7 +225,9 @@ class KVEvalResult(RowsResult):
         the table; the verdict is ``method better``, ``base better`` or ``tie``."""
         metric = METRIC[self.config["task"]]
         higher = HIGHER_IS_BETTER[metric]
-        known = set(self.per_item["method"])
+        known = set(self.per_item["method"]) - {NO_COMPRESSION}
+        if any(NO_COMPRESSION in pair for pair in pairs):
+            raise ValueError("for methods against no compression, use versus_uncompressed()")
         missing = sorted({m for pair in pairs for m in pair} - known)
         if missing:
             raise ValueError(f"not in this result: {', '.join(missing)}; it has {sorted(known)}")
@@ -218,6 +238,8 @@ class KVEvalResult(RowsResult):
         for key, frame in rows.groupby(groups, sort=True):
             values = frame.pivot_table(index="item", columns="method", values=metric)
             for method, base in pairs:
+                if method not in values or base not in values:
+                    continue  # one of them was not run at this ratio
                 d = (values[method] - values[base]).dropna().to_numpy(float)
                 n, mean, se, low, high, p = difference_stats(d, TEST[metric])
                 keys = dict(zip(groups, key if isinstance(key, tuple) else (key,), strict=True))
@@ -349,10 +371,22 @@ class KVEvalResult(RowsResult):
 
 
 def _read_per_item(folder: Path) -> pd.DataFrame:
-    """``per_item.csv`` of a run folder and of its processes' parts, in that order; a line
-    cut by a write in progress is left out."""
+    """``per_item.csv`` of a run folder and of its processes' parts: an item's rows from the
+    first of those files that has it (the merged file first: a merge in progress can leave
+    an item in both), a last line still being written (no newline yet) left out, sorted by
+    item."""
     paths = [folder / PER_ITEM, *sorted((folder / PARTS).glob(f"*/{PER_ITEM}"))]
-    rows = [r for path in paths if path.is_file() for r in read_csv(path) if None not in r.values()]
+    rows: list[dict[str, str]] = []
+    taken: set[str] = set()
+    for path in paths:
+        if not path.is_file():
+            continue
+        text = path.read_text()
+        if not text.endswith("\n"):
+            text = text[: text.rfind("\n") + 1]  # a line cut mid-write
+        mine = [r for r in csv.DictReader(io.StringIO(text)) if None not in r.values()]
+        rows += [r for r in mine if r["item"] not in taken]
+        taken |= {r["item"] for r in mine}
     if not rows:
         raise FileNotFoundError(f"{folder} holds no {PER_ITEM} yet: no item has finished")
     buf = io.StringIO()
@@ -360,7 +394,7 @@ def _read_per_item(folder: Path) -> pd.DataFrame:
     writer.writeheader()
     writer.writerows(rows)
     buf.seek(0)
-    return pd.read_csv(buf)
+    return pd.read_csv(buf).sort_values("item", kind="stable").reset_index(drop=True)
 
 
 def _decided_line(what: str, frame: pd.DataFrame, metric: str) -> str:
