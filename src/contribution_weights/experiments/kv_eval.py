@@ -20,7 +20,6 @@ accuracy of the same task and setting uncompressed (``uncompressed_accuracy``).
 from __future__ import annotations
 
 import contextlib
-import csv
 import io
 import math
 import time
@@ -52,7 +51,7 @@ from .paired import (
 )
 from .result import SUMMARY as SUMMARY  # re-exported: the summary file
 from .result import RowsResult, markdown_table, shown, warn_few_samples, write_csv
-from .runner import PARTS, Experiment, Phase, run_experiment
+from .runner import Experiment, Phase, csv_bytes, rows_so_far, run_experiment
 
 TASKS = KV_TASKS
 METRIC = {"lm": "nll", "passkey": "accuracy", "ruler": "accuracy"}
@@ -143,8 +142,9 @@ class KVEvalResult(RowsResult):
                     "with the same model, data and options (--methods, --ruler-tasks, --n and "
                     "--ratios may differ)"
                 )
-            self._check_same_items(other)
         numbered = [run._numbered() for run in runs]
+        for theirs in numbered[1:]:
+            _check_same_items(numbered[0], theirs, self.config["task"])
         keep = set.intersection(*(set(r["_key"]) for r in numbered))
         rows, methods = [numbered[0]], list(self.config["methods"])
         seen = set(zip(numbered[0]["method"], numbered[0]["ratio"], strict=True))
@@ -178,44 +178,6 @@ class KVEvalResult(RowsResult):
         n, tasks = self.config["n"], list(self.config["ruler_tasks"])
         within = rows["item"] - rows["task"].map(tasks.index) * n
         return rows.assign(_key=list(zip(rows["task"], within, strict=True)))
-
-    def _check_same_items(self, other: KVEvalResult) -> None:
-        """Refuse a join whose uncompressed rows differ on a common item: the text columns
-        compared as text (a CSV reads an empty output back as missing, a number-like one as
-        a number), the numbers to 1e-6 relative (another device or library may round the
-        last digits differently)."""
-        index = ["_key", "setting"] if self.config["task"] == "ruler" else ["_key"]
-        numbers = [c for c in ("nll", "accuracy", "answer_nll") if c in self.per_item.columns]
-        texts = [c for c in ("output", "answers", "answer") if c in self.per_item.columns]
-
-        def base(result: KVEvalResult) -> pd.DataFrame:
-            rows = result._numbered()
-            rows = rows[rows["method"] == NO_COMPRESSION].set_index(index)
-            return rows[[c for c in numbers + texts if c in rows.columns]]
-
-        mine, theirs = base(self), base(other)
-        if mine.empty or theirs.empty:
-            raise ValueError(
-                "a run to join has no uncompressed rows to show that the items are the same: "
-                "run each with ratio 0 among --ratios"
-            )
-        common = mine.index.intersection(theirs.index)
-        if common.empty:
-            raise ValueError("the runs have no item in common: nothing to join")
-        a, b = mine.loc[common].sort_index(), theirs.loc[common].sort_index()
-        same = pd.Series(True, index=a.index)
-        for col in a.columns.intersection(b.columns):
-            if col in numbers:
-                x, y = a[col].to_numpy(float), b[col].to_numpy(float)
-                same &= np.isclose(x, y, rtol=1e-6, atol=1e-9) | (np.isnan(x) & np.isnan(y))
-            else:
-                same &= a[col].fillna("").astype(str) == b[col].fillna("").astype(str)
-        if not same.all():
-            raise ValueError(
-                f"the uncompressed rows differ on {int((~same).sum())} of {len(common)} common "
-                "items: the runs did not see the same items (another model, data set or "
-                "generator version?)"
-            )
 
     def versus(self, pairs: Sequence[tuple[str, str]]) -> pd.DataFrame:
         """Planned comparisons: each ``(method, base)`` pair per ratio (and RULER task and
@@ -370,31 +332,51 @@ class KVEvalResult(RowsResult):
         return cls(rows, config, run_info)
 
 
+def _check_same_items(mine: pd.DataFrame, theirs: pd.DataFrame, task: str) -> None:
+    """Refuse a join whose uncompressed rows (of two runs' :meth:`KVEvalResult._numbered`
+    rows) differ on a common item: the text columns compared as text (a CSV reads an empty
+    output back as missing, a number-like one as a number), the numbers to 1e-6 relative
+    (another device or library may round the last digits differently)."""
+    index = ["_key", "setting"] if task == "ruler" else ["_key"]
+    numbers = [c for c in ("nll", "accuracy", "answer_nll") if c in mine.columns]
+    texts = [c for c in ("output", "answers", "answer") if c in mine.columns]
+
+    def base(rows: pd.DataFrame) -> pd.DataFrame:
+        rows = rows[rows["method"] == NO_COMPRESSION].set_index(index)
+        return rows[[c for c in numbers + texts if c in rows.columns]]
+
+    a, b = base(mine), base(theirs)
+    if a.empty or b.empty:
+        raise ValueError(
+            "a run to join has no uncompressed rows to show that the items are the same: "
+            "run each with ratio 0 among --ratios"
+        )
+    common = a.index.intersection(b.index)
+    if common.empty:
+        raise ValueError("the runs have no item in common: nothing to join")
+    a, b = a.loc[common].sort_index(), b.loc[common].sort_index()
+    same = pd.Series(True, index=a.index)
+    for col in a.columns.intersection(b.columns):
+        if col in numbers:
+            x, y = a[col].to_numpy(float), b[col].to_numpy(float)
+            same &= np.isclose(x, y, rtol=1e-6, atol=1e-9) | (np.isnan(x) & np.isnan(y))
+        else:
+            same &= a[col].fillna("").astype(str) == b[col].fillna("").astype(str)
+    if not same.all():
+        raise ValueError(
+            f"the uncompressed rows differ on {int((~same).sum())} of {len(common)} common "
+            "items: the runs did not see the same items (another model, data set or "
+            "generator version?)"
+        )
+
+
 def _read_per_item(folder: Path) -> pd.DataFrame:
-    """``per_item.csv`` of a run folder and of its processes' parts: an item's rows from the
-    first of those files that has it (the merged file first: a merge in progress can leave
-    an item in both), a last line still being written (no newline yet) left out, sorted by
-    item."""
-    paths = [folder / PER_ITEM, *sorted((folder / PARTS).glob(f"*/{PER_ITEM}"))]
-    rows: list[dict[str, str]] = []
-    taken: set[str] = set()
-    for path in paths:
-        if not path.is_file():
-            continue
-        text = path.read_text()
-        if not text.endswith("\n"):
-            text = text[: text.rfind("\n") + 1]  # a line cut mid-write
-        mine = [r for r in csv.DictReader(io.StringIO(text)) if None not in r.values()]
-        rows += [r for r in mine if r["item"] not in taken]
-        taken |= {r["item"] for r in mine}
+    """``per_item.csv`` of a run folder, with the items its processes' parts hold while a
+    data-parallel run is still going (:func:`~.runner.rows_so_far`)."""
+    rows = rows_so_far(folder, PER_ITEM, "item")
     if not rows:
         raise FileNotFoundError(f"{folder} holds no {PER_ITEM} yet: no item has finished")
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(rows)
-    buf.seek(0)
-    return pd.read_csv(buf).sort_values("item", kind="stable").reset_index(drop=True)
+    return pd.read_csv(io.BytesIO(csv_bytes(rows)))
 
 
 def _decided_line(what: str, frame: pd.DataFrame, metric: str) -> str:

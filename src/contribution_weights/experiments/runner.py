@@ -417,7 +417,7 @@ def _consolidate(folder: RunFolder, phase: Phase) -> None:
             seen |= fresh
         if parts:
             merged.sort(key=lambda r: int(r[phase.key]))
-            folder.write_bytes(phase.rows_file, _csv_bytes(merged))
+            folder.write_bytes(phase.rows_file, csv_bytes(merged))
     if phase.state is not None and parts:
         _load_state(folder, phase)
         have = set(phase.state.units)
@@ -451,7 +451,33 @@ def _consolidate(folder: RunFolder, phase: Phase) -> None:
             shutil.rmtree(root)
 
 
-def _csv_bytes(rows: list[dict[str, Any]]) -> bytes:
+def rows_so_far(folder: Path, rows_file: str, key: str) -> list[dict[str, str]]:
+    """The rows a run folder holds now, read without writing anything (the run may still be
+    going): its own ``rows_file``, then each process's part under ``parts/<rank>/`` (a
+    data-parallel run merges those only at its end). A unit's rows come from the first of
+    those files that has it (the merged file first: a merge in progress can leave a unit in
+    both), a last line still being written (no newline yet) is left out, and the rows are
+    sorted by unit, as :func:`_consolidate` merges them; whether a unit is complete is the
+    caller's to judge."""
+    import io
+
+    paths = [folder / rows_file, *sorted((folder / PARTS).glob(f"*/{rows_file}"))]
+    rows: list[dict[str, str]] = []
+    taken: set[str] = set()
+    for path in paths:
+        if not path.is_file():
+            continue
+        text = path.read_text()
+        text = text[: text.rfind("\n") + 1]  # a line cut mid-write (whole files end in one)
+        mine = [r for r in csv.DictReader(io.StringIO(text)) if None not in r.values()]
+        rows += [r for r in mine if r[key] not in taken]
+        taken |= {r[key] for r in mine}
+    rows.sort(key=lambda r: int(r[key]))
+    return rows
+
+
+def csv_bytes(rows: list[dict[str, Any]]) -> bytes:
+    """Rows as CSV (a header from the first row's keys); empty for no rows."""
     import io
 
     buf = io.StringIO()
