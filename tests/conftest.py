@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -62,3 +63,19 @@ def shared_data() -> Path:
             "checkout does not have (tests of the loaders use tests/fixtures/data instead)"
         )
     return SHARED_DATA
+
+
+@pytest.fixture
+def float64_softmax() -> Iterator[None]:
+    """Llama's eager attention (which the capture path follows) takes its softmax in float32,
+    and the model's sdpa path, run here for the explicit evictions, in float64; for a
+    comparison at 1e-9 or finer the capture path takes it in float64 too."""
+    import dataclasses
+
+    from contribution_weights.families import FAMILIES as REGISTRY
+    from contribution_weights.families import register_family
+
+    llama = REGISTRY.get("llama")
+    register_family(dataclasses.replace(llama, softmax_float32=False))
+    yield
+    register_family(llama)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 from typing import Any
 
 import numpy as np
@@ -17,7 +16,6 @@ from tiny_models import tiny_model
 
 import contribution_weights as cw
 from contribution_weights.capture import capturing
-from contribution_weights.families import FAMILIES, register_family
 
 C, WINDOW, K = 24, 6, 5  # prefill, observation window, continuation
 
@@ -45,17 +43,6 @@ def _continue(net: Any, cache: Any, fed: torch.Tensor, layer: int) -> tuple[Any,
     finally:
         handle.remove()
     return seen["z"][0], seen["o"][0]  # (K, H·d_h), (K, d)
-
-
-@pytest.fixture
-def float64_softmax() -> Any:
-    """Llama's eager attention (which the capture path follows) takes its softmax in float32,
-    and the model's sdpa path, run here for the explicit evictions, in float64; for a
-    comparison at 1e-10 the capture path takes it in float64 too."""
-    llama = FAMILIES.get("llama")
-    register_family(dataclasses.replace(llama, softmax_float32=False))
-    yield
-    register_family(llama)
 
 
 def test_future_truths_are_what_an_explicit_eviction_changes(

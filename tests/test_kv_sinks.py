@@ -34,7 +34,7 @@ def _masked_nll(model: Any, ids: torch.Tensor, masked: bool) -> float:
     return continuation_nll(logits[:, C:], ids[:, C + 1 :])  # as item_row: fed[1:] from fed[:-1]
 
 
-def test_one_item_against_the_model_with_token_0_masked(sinks: Any) -> None:
+def test_one_item_against_the_model_with_token_0_masked(sinks: Any, float64_softmax: Any) -> None:
     model = tiny_model("llama", dtype=torch.float64)
     ids = torch.randint(3, 99, (1, C + K + 1), generator=torch.Generator().manual_seed(2))
     row = sinks.item_row(model, ids, C, K)
