@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml requirements.txt Makefile
 	touch $(STAMP)
 
 demo: setup
-	$(VENV)/bin/cw trace --example --out demo-out/trace
+	$(VENV)/bin/cw trace --example --overwrite --out demo-out/trace
 	$(VENV)/bin/cw report --trace demo-out/trace --out demo-out/report.html
 
 lint: setup

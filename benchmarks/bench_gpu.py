@@ -171,6 +171,7 @@ def run(model: Any, method: str, ids: Any, folder: Path, profile: Path | None = 
                     measures="contribution",
                     storage_dtype="bfloat16",
                     out=folder,
+                    overwrite=True,  # each repetition replaces the last
                     progress=False,
                 )
             else:

@@ -179,6 +179,7 @@ def worker(method: str, length: int, repeats: int, threads: int, model_name: str
                     measures=["contribution", "attention"],
                     storage_dtype="float16",
                     out=stream,
+                    overwrite=True,  # each repetition replaces the last
                 )
                 disk = folder_bytes(stream)
             elif method == "naive":

@@ -12,7 +12,7 @@ PACKAGE = Path(contribution_weights.__file__).parent
 LAYERS = [
     {"registry", "defaults", "fields"},
     {"families", "measures", "progress", "runs", "data", "tracing.storage", "tracing.folder"},
-    {"capture", "loading", "tracing.maps", "tracing.format", "tracing.result"},
+    {"capture", "loading", "tracing.maps", "tracing.format", "tracing.query", "tracing.result"},
     {"interventions", "inputs", "kv"},
     {"attribution"},
     {"tracing", "experiments"},

@@ -19,7 +19,8 @@ functions included, by ``tests/test_layering.py``):
    trace's maps live: memory or per-layer shards on disk), ``tracing.folder`` (one
    writer per trace folder, staged writes, checksums);
 2. ``capture`` (getting internals out of a model), ``loading`` (models), and the trace
-   result: ``tracing.maps``, ``tracing.format`` (the folder), ``tracing.result`` (``Trace``);
+   result: ``tracing.maps``, ``tracing.format`` (the folder), ``tracing.query`` (one
+   query's top tokens, the sink verdict), ``tracing.result`` (``Trace``);
 3. ``interventions`` (every intervention, and running them as batched forwards),
    ``inputs`` (encoding texts, resolving layers), ``kv`` (KV-cache compression);
 4. ``tracing`` (options, preflight, recorder, ``trace()``), ``experiments``

@@ -33,6 +33,9 @@ MODES = ("comprehensiveness", "sufficiency")
 INTERVENTIONS = ("value_zero", "key_mask", "mean_value")
 SCOPES = ("layer", "global")
 SINK_COSINE = 0.95
+#: a layer is a sink layer when its mean attention to token 0 is above this (the geometry
+#: analysis and the sink verdict of ``cw trace`` and ``cw show``)
+SINK_LAYER_THRESHOLD = 0.5
 #: rankings that read no measure: seeded uniform scores, and the latest tokens first
 BASELINES = ("random", "recency")
 #: end-to-end rankings a removal sweep can run as baselines: one score per token for the

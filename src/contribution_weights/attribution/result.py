@@ -121,16 +121,29 @@ class Attribution:
         return self.scores[method]
 
     def top(
-        self, k: int = 10, method: str | None = None, target: int = 0
+        self,
+        k: int = 10,
+        method: str | None = None,
+        target: int = 0,
+        exclude_first: bool = True,
     ) -> list[tuple[int, str, float]]:
         """The ``k`` tokens that drive the target most, by the size of their score (a
         token that pushes the target down counts as much as one that pushes it up), among
         the positions up to the target's own (no later token can drive it):
-        ``(position, text, signed score)``."""
+        ``(position, text, signed score)``.
+
+        ``exclude_first`` (default True) leaves token 0 out, as the known-answer and
+        deletion evaluations do (their sink protection): token 0 is the attention sink
+        of most models, every later state carries it, so most methods give it a large
+        score that says the model needs a first token rather than which of the text's
+        tokens drive the target; removing it breaks the model rather than the text. Pass
+        False to rank it with the others."""
         name = method or self.methods[0]
         row = self[name][target][: self.targets[target].position + 1]
-        order = torch.argsort(row.abs(), descending=True, stable=True)[:k]
-        return [(int(j), self.tokens[int(j)], float(row[j])) for j in order]
+        order = torch.argsort(row.abs(), descending=True, stable=True)
+        if exclude_first:
+            order = order[order != 0]
+        return [(int(j), self.tokens[int(j)], float(row[j])) for j in order[:k]]
 
     def describe_target(self, k: int) -> str:
         t = self.targets[k]
@@ -142,8 +155,9 @@ class Attribution:
         return f"{t.quantity} of {shown} after position {t.position} = {value:.4g}"
 
     def summary(self, k: int = 8) -> str:
-        """A few lines per target: its value and each method's top tokens."""
-        lines = []
+        """A few lines per target: its value and each method's top tokens (token 0 left
+        out, as :meth:`top` leaves it by default)."""
+        lines = ["top tokens by |score|, token 0 (the attention sink) aside:"]
         for i in range(len(self.targets)):
             lines.append(f"target {i}: {self.describe_target(i)}")
             for name in self.methods:

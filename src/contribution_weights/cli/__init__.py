@@ -28,12 +28,15 @@ from . import (
     geometry_cmd,
     measures_cmd,
     report_cmd,
+    show_cmd,
     trace_cmd,
     verify_cmd,
 )
 
 #: commands written by hand; every registered experiment gets one generated from its spec
-COMMANDS = [trace_cmd, attribute_cmd, measures_cmd, report_cmd, verify_cmd, geometry_cmd]
+COMMANDS = [
+    trace_cmd, show_cmd, attribute_cmd, measures_cmd, report_cmd, verify_cmd, geometry_cmd,
+]  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -58,9 +58,26 @@ def add_text_arguments(p: argparse.ArgumentParser, example: bool = True) -> None
         src.add_argument(
             "--example", action="store_true", help="use the example text shipped with the package"
         )
+    add_newline_argument(p)
+
+
+def add_newline_argument(p: argparse.ArgumentParser) -> None:
+    """``--keep-trailing-newline``: a text read from a file or standard input loses one
+    trailing newline by default (what an editor or ``echo`` adds), so that "the last
+    token" is the text's own."""
+    p.add_argument(
+        "--keep-trailing-newline",
+        action="store_true",
+        help="keep the trailing newline of a --file or standard-input text (default: one "
+        "trailing newline, which editors and echo add, is removed, so the last token is the "
+        "text's own)",
+    )
 
 
 def read_text(args: argparse.Namespace) -> str:
+    """The text a command was given: ``--example``, ``--text``, ``--file`` or standard
+    input; from a file or standard input less one trailing newline unless
+    ``--keep-trailing-newline``. A file that is not UTF-8 text is an InputError naming it."""
     if getattr(args, "example", False):
         from importlib.resources import files
 
@@ -74,13 +91,30 @@ def read_text(args: argparse.Namespace) -> str:
             "--text '...', or '-' to read standard input"
         )
     if stdin == "-" or str(args.file) == "-":
-        return sys.stdin.read()
+        try:
+            text = sys.stdin.read()
+        except UnicodeDecodeError as exc:
+            raise _input_error(f"standard input is not UTF-8 text ({exc.reason} at byte "
+                               f"{exc.start}); pass a text file") from None  # fmt: skip
+        return text if getattr(args, "keep_trailing_newline", False) else _strip_newline(text)
     path = Path(args.file)
     if path.is_dir():
         raise _input_error(f"{path} is a folder, not a text file: pass a file to --file")
     if not path.is_file():
         raise FileNotFoundError(f"text file {path} does not exist")
-    return path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise _input_error(
+            f"{path} is not UTF-8 text (byte {exc.start} cannot be decoded: {exc.reason}); "
+            "pass a text file, or convert it first (e.g. iconv -t UTF-8)"
+        ) from None
+    return text if getattr(args, "keep_trailing_newline", False) else _strip_newline(text)
+
+
+def _strip_newline(text: str) -> str:
+    """``text`` less one trailing newline (a line feed, or a carriage return and line feed)."""
+    return text.removesuffix("\n").removesuffix("\r") if text.endswith("\n") else text
 
 
 def add_corpus_arguments(p: argparse.ArgumentParser) -> None:

@@ -12,6 +12,7 @@ from ..progress import status
 from .common import (
     _input_error,
     add_model_arguments,
+    add_newline_argument,
     check_out_file,
     parse_bytes,
     parse_int_list,
@@ -40,6 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--file", type=Path, help="read the text from a file ('-' for stdin)")
     src.add_argument("--example", action="store_true", help="trace the packaged example text")
     src.add_argument("--trace", type=Path, help="a folder written by `cw trace --out`")
+    add_newline_argument(p)
     add_model_arguments(p)
     p.add_argument(
         "--measures",

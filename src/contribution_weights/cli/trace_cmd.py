@@ -124,6 +124,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--no-figures", action="store_true", help="skip the PNG figures")
     p.add_argument("--out", type=Path, required=True, help="output folder")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a trace already in --out (without it such a folder is refused, naming "
+        "the trace it holds)",
+    )
     p.set_defaults(func=run)
 
 
@@ -131,6 +137,10 @@ def run(args: argparse.Namespace) -> int:
     # everything that can be checked is checked before the model loads, and what needs
     # no model before torch is imported (a missing --file or a bad --out answer at once)
     check_out_dir(args.out)
+    if not args.overwrite:
+        from ..tracing.folder import refuse_to_replace
+
+        refuse_to_replace(args.out)  # an earlier trace is named, before the model loads
     text = read_text(args)
     from ..inputs import InputError, resolve_layers
     from ..loading import peek_dims
@@ -190,7 +200,7 @@ def _trace(args: argparse.Namespace, text: str, options: TraceOptions) -> int:
     model = load_model(args.model, dtype=args.dtype, device=args.device)
     args.heads = check_heads(args.heads, model.num_layers, model.num_heads, args.layers)
     start = time.perf_counter()
-    result = trace(model, text, out=args.out, **options.as_kwargs())
+    result = trace(model, text, out=args.out, overwrite=args.overwrite, **options.as_kwargs())
     elapsed = time.perf_counter() - start
     out = Path(args.out)
     if not args.no_figures:
@@ -209,9 +219,14 @@ def _trace(args: argparse.Namespace, text: str, options: TraceOptions) -> int:
     summary = result.summary()
     if not summary.empty:
         print(summary.to_string(float_format=lambda v: f"{v:.3f}"))
+    if "attention" in result.measures:
+        from .show_cmd import format_sinks
+
+        print(format_sinks(result.sinks()))
     from ..tracing.format import trace_files
 
     # read from the folder (the trace emptied it of an earlier trace's files first), so
     # the list is what this trace wrote
     print(f"wrote {', '.join(trace_files(out))} to {out}")
+    print(f"a query's top tokens: cw show {out} --layer {result.layers[-1]} --query -1")
     return 0

@@ -36,6 +36,7 @@ from ..defaults import (
     RULER_TASKS,
     SCOPES,
     SINK_COSINE,
+    SINK_LAYER_THRESHOLD,
 )
 
 if TYPE_CHECKING:
@@ -53,7 +54,6 @@ DEFAULT_MEASURES = ("attention", "vw", "vw_on", "ihc")
 REMOVAL_BASELINES = (*BASELINES, *END_TO_END_RANKINGS)
 DEFAULT_RATES = (0.1, 0.2, 0.3, 0.4, 0.5)
 DEFAULT_GAMMAS = (1.0, 0.8, 0.6, 0.4, 0.2, 0.0)
-SINK_LAYER_THRESHOLD = 0.5
 
 
 def _resolve_measures(measures: Any) -> list[str]:

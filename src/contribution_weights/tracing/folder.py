@@ -12,12 +12,16 @@
   writer killed at any point leaves either the earlier trace or a folder that holds no
   trace (no ``meta.json``; loading it says so), never a mix that loads. Other files in
   ``DIR`` are left alone. A staging folder left by a killed writer is removed by the next.
+  A folder that already holds a trace is refused (:class:`TraceExistsError`, naming that
+  trace: its tokens, layers and date) unless the writer asks to replace it
+  (``overwrite=True``, ``cw trace --overwrite``).
 * **Checked.** Each data file's SHA-256 is recorded in ``meta.json`` (``checksums``);
   :func:`verify` (``cw verify DIR``, ``Trace.load(DIR, verify=True)``) recomputes them and
   names every file that differs, and reading a whole layer of maps checks that layer's
   shard first (:class:`~.storage.PackedMaps`).
 
-Standard library only: the lock answers before torch is imported.
+Standard library only (and the pure-Python ``fields``): the lock answers before torch is
+imported.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..fields import int_ranges
+
 LOCK_NAME = ".cw-lock"
 STAGING_PREFIX = ".partial-"
 HASH = "sha256"
@@ -49,6 +55,10 @@ class TraceFileError(ValueError):
 
 class TraceFolderBusy(TraceFileError):
     """Another process is writing the same trace folder."""
+
+
+class TraceExistsError(TraceFileError):
+    """The folder already holds a trace, and replacing it was not asked for."""
 
 
 # ---- checksums -----------------------------------------------------------------------
@@ -239,17 +249,60 @@ def _acquire(folder: Path, lock: Path) -> int:
     raise TraceFolderBusy(f"{folder}: could not take the writer's lock {lock}; try again")
 
 
+# ---- an earlier trace ----------------------------------------------------------------
+def describe_trace(folder: str | Path) -> str | None:
+    """One line naming the trace in ``folder`` (its text's first words, tokens, layers,
+    model and when it was written), or None when the folder holds no trace."""
+    folder = Path(folder)
+    meta_path = folder / "meta.json"
+    if not meta_path.is_file():
+        return None
+    try:
+        meta = json.loads(meta_path.read_text())
+        tokens = json.loads((folder / "tokens.json").read_text()).get("tokens", [])
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return f"a trace (its meta.json or tokens.json cannot be read) in {folder}"
+    meta = meta if isinstance(meta, dict) else {}
+    start = "".join(str(t) for t in tokens[:12]).strip().replace("\n", " ")
+    if len(start) > 40 or len(tokens) > 12:
+        start = start[:39].rstrip() + "…"
+    layers = meta.get("layers") or []
+    written = meta.get("created") or time.strftime(
+        "%Y-%m-%d %H:%M UTC", time.gmtime(meta_path.stat().st_mtime)
+    )
+    what = f"{len(tokens)} tokens" + (f" ({start!r})" if start else "")
+    where = f"layers {int_ranges(layers)}" if layers else "no layers"
+    return f"{what}, {where} of {meta.get('model') or 'a model'}, written {written}"
+
+
+def refuse_to_replace(folder: str | Path) -> None:
+    """Raise :class:`TraceExistsError` when ``folder`` holds a trace, naming it and the
+    way to replace it (a folder holding no trace, or only other files, passes)."""
+    earlier = describe_trace(folder)
+    if earlier is not None:
+        raise TraceExistsError(
+            f"{folder} already holds a trace: {earlier}. Pass --overwrite "
+            "(Python: overwrite=True) to replace it, or write to another folder"
+        )
+
+
 # ---- staged writing ------------------------------------------------------------------
 @contextlib.contextmanager
-def staged(folder: str | Path, trace_entries: tuple[str, ...]) -> Iterator[Path]:
+def staged(
+    folder: str | Path, trace_entries: tuple[str, ...], overwrite: bool = False
+) -> Iterator[Path]:
     """A staging folder to write a trace into; on leaving the block without an error its
     content replaces the trace in ``folder`` (see module docstring), else it is removed.
 
     ``trace_entries``: the names a trace may hold (an earlier trace's are removed even when
     the new one does not write them, so nothing of it is left to mix with the new one).
+    ``overwrite``: replace a trace already in ``folder``; without it such a folder raises
+    :class:`TraceExistsError` (checked under the writer's lock, before anything is written).
     """
     folder = Path(folder)
     with writer_lock(folder):
+        if not overwrite:
+            refuse_to_replace(folder)
         for old in folder.glob(f"{STAGING_PREFIX}*"):  # a killed writer's; we hold the lock
             shutil.rmtree(old, ignore_errors=True)
         stage = folder / f"{STAGING_PREFIX}{os.getpid()}"

@@ -72,7 +72,7 @@ class TraceOptions:
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise TypeError(
                 f"trace() got unknown option {unknown[0]!r}{hint}; its options are "
-                f"{', '.join(names)}, out and progress"
+                f"{', '.join(names)}, out, overwrite and progress"
             )
         return replace(options or cls(), **dict(overrides or {}))
 

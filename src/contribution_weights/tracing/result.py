@@ -37,6 +37,7 @@ from ..measures.registry import get_measure, measure_names
 from .folder import staged, writer_lock
 from .format import TRACE_ENTRIES, read_folder, write_metadata
 from .maps import MeasureMap
+from .query import sink_table, top_tokens
 from .storage import DenseMaps, MapStore, PackedMaps, dtype_name, is_causal, storage_dtype
 
 _READ_ELEMENTS = 1 << 25  # elements per block when reductions are computed from maps
@@ -299,6 +300,26 @@ class Trace:
         columns = ["measure", "first_token_weight", "entropy", "entropy_excl_first"]
         return pd.DataFrame(rows, columns=columns).set_index("measure")
 
+    def top_tokens(
+        self,
+        layer: int,
+        query: int = -1,
+        k: int = 8,
+        measure: str = "contribution",
+        heads: bool = False,
+        exclude_first: bool = False,
+    ) -> pd.DataFrame:
+        """The ``k`` tokens query ``query`` (default the last) draws on most at model layer
+        ``layer``, by their share of ``measure`` summed over heads, attention beside
+        contribution, per head with ``heads`` (:func:`~.query.top_tokens`)."""
+        return top_tokens(self, layer, query, k, measure, heads, exclude_first)
+
+    def sinks(self, threshold: float | None = None) -> pd.DataFrame:
+        """Per traced layer: mean attention to token 0, token 0's share of the
+        contribution, and whether the layer is a sink layer (attention to token 0 above
+        ``threshold``, default the geometry analysis's 0.5) (:func:`~.query.sink_table`)."""
+        return sink_table(self) if threshold is None else sink_table(self, threshold)
+
     def first_token_weight_by_layer(self) -> pd.DataFrame:
         """Layers × weight measures table of the first-token weight."""
         data = {m: self.first_token_weight(m).tolist() for m in self.weight_measures()}
@@ -328,12 +349,18 @@ class Trace:
         return pd.concat(frames, ignore_index=True)
 
     # ---- files ---------------------------------------------------------------------
-    def save(self, directory: str | Path, storage: str | torch.dtype | None = None) -> Path:
+    def save(
+        self,
+        directory: str | Path,
+        storage: str | torch.dtype | None = None,
+        overwrite: bool = False,
+    ) -> Path:
         """Write the trace as a folder (format 2, see module docstring).
 
         ``storage``: dtype of the maps on disk (default: the trace's own). A folder holds
-        one trace: an earlier trace there is replaced once the new one is complete
-        (:mod:`.folder`), and a folder another process is writing is refused.
+        one trace: a folder that holds another is refused unless ``overwrite`` (then the
+        earlier trace is replaced once the new one is complete, :mod:`.folder`), and a
+        folder another process is writing is refused.
         """
         out = Path(directory)
         if self.path is not None and out.resolve() == self.path.resolve():
@@ -341,7 +368,7 @@ class Trace:
                 self._write_metadata(out)
             return out
         dtype = storage_dtype(storage or self.meta.get("storage_dtype", "float32"))
-        with staged(out, TRACE_ENTRIES) as stage:
+        with staged(out, TRACE_ENTRIES, overwrite) as stage:
             store = None
             if self.maps is not None:
                 store = PackedMaps(

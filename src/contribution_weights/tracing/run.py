@@ -14,6 +14,7 @@ model's own sdpa kernel. Before anything is allocated, the preflight
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, overload
@@ -27,7 +28,7 @@ from ..loading import LoadedModel
 from ..measures.kernels import Kernels
 from ..measures.reductions import ReductionAccumulator
 from ..measures.registry import resolve_measures, stored_measures
-from .folder import staged
+from .folder import refuse_to_replace, staged
 from .format import TRACE_ENTRIES
 from .options import TraceOptions
 from .preflight import _preflight
@@ -47,6 +48,7 @@ def trace(
     options: TraceOptions | None = None,
     *,
     out: str | Path | None = None,
+    overwrite: bool = False,
     progress: bool | None = None,
     **overrides: Any,
 ) -> Trace: ...
@@ -59,6 +61,7 @@ def trace(
     options: TraceOptions | None = None,
     *,
     out: str | Path | None = None,
+    overwrite: bool = False,
     progress: bool | None = None,
     **overrides: Any,
 ) -> list[Trace]: ...
@@ -70,6 +73,7 @@ def trace(
     options: TraceOptions | None = None,
     *,
     out: str | Path | None = None,
+    overwrite: bool = False,
     progress: bool | None = None,
     **overrides: Any,
 ) -> Trace | list[Trace]:
@@ -79,8 +83,11 @@ def trace(
     given as an object, by name (``measures="contribution"``, ``maps=False``, …) or both
     (names override the object). ``out``: a folder to stream the trace to as it is
     computed (maps go to disk layer by layer; the returned trace reads them lazily). With
-    a list of inputs, each trace goes to ``out/NNNN``. ``progress``: a bar over layers and
-    blocks of queries (default: shown once the trace has run for two seconds).
+    a list of inputs, each trace goes to ``out/NNNN``. ``overwrite``: replace a trace
+    already in ``out``; without it such a folder is refused before anything is computed
+    (:class:`~.folder.TraceExistsError`, naming the earlier trace). ``progress``: a bar
+    over layers and blocks of queries (default: shown once the trace has run for two
+    seconds).
     """
     opts = TraceOptions.of(options, overrides)
     if _is_batch(inputs):
@@ -89,7 +96,7 @@ def trace(
         items = list(inputs)
         outs = [None if out is None else Path(out) / f"{k:04d}" for k in range(len(items))]
         return [
-            trace(model, item, opts, out=o, progress=False)
+            trace(model, item, opts, out=o, overwrite=overwrite, progress=False)
             for item, o in zip(
                 bar(items, desc="trace", unit="text", disable=len(items) < 2), outs, strict=True
             )
@@ -123,6 +130,8 @@ def trace(
     layer_list = resolve_layers(layers, model.num_layers)
     ids = encode(model, inputs, opts.max_tokens, opts.truncate)
     folder = None if out is None else Path(out)
+    if folder is not None and not overwrite:
+        refuse_to_replace(folder)  # at once; checked again under the writer's lock
     t = ids.numel()
     _preflight(
         model,
@@ -141,7 +150,11 @@ def trace(
     stored = stored_measures(names, storage) if maps else []
     with contextlib.ExitStack() as stack:
         # on disk: written into a staging folder, moved into place once complete (.folder)
-        stage = None if folder is None else stack.enter_context(staged(folder, TRACE_ENTRIES))
+        stage = (
+            None
+            if folder is None
+            else stack.enter_context(staged(folder, TRACE_ENTRIES, overwrite))
+        )
         store: MapStore | None = None
         if maps and stage is not None:
             store = PackedMaps(stage / "maps", stored, layer_list, heads, t, storage)
@@ -175,6 +188,7 @@ def trace(
                 "storage_dtype": dtype_name(storage),
                 "model_dtype": dtype_name(model.model.dtype),
                 "num_layers": model.num_layers,
+                "created": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             },
             path=stage,
         )

@@ -180,12 +180,13 @@
     const top = $("cw-top");
     top.textContent = "";
     const row = D.scores[state.method][k];
-    // by size: a token that pushes the target down drives it as much as one that pushes it up
-    const order = row.map((v, i) => [v, i]).filter((x) => x[0] !== null)
+    // by size: a token that pushes the target down drives it as much as one that pushes it
+    // up; token 0, the attention sink, aside (as Attribution.top and the evaluations)
+    const order = row.map((v, i) => [v, i]).filter((x) => x[0] !== null && x[1] > 0)
       .sort((a, b2) => Math.abs(b2[0]) - Math.abs(a[0])).slice(0, 10);
     const label = document.createElement("span");
     label.className = "muted";
-    label.textContent = "Strongest (" + state.method + "):";
+    label.textContent = "Strongest (" + state.method + ", token 0 aside):";
     top.appendChild(label);
     for (const [v, i] of order) {
       const c = document.createElement("code");
