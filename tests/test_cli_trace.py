@@ -95,7 +95,7 @@ def test_wrote_line_names_every_file_in_the_folder(tiny_folder, tmp_path, capsys
     a hand-kept list. A second trace into the folder lists only its own files."""
     out = tmp_path / "run"
     args = ["trace", "--text", "abcdefgh", "--model", str(tiny_folder), "--out", str(out)]
-    for extra in ([], ["--no-maps"], ["--no-figures"]):
+    for extra in ([], ["--no-maps", "--overwrite"], ["--no-figures", "--overwrite"]):
         assert main(args + extra) == 0, extra
         line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("wrote ")]
         assert len(line) == 1 and line[0].endswith(f" to {out}"), line

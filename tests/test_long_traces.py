@@ -361,7 +361,7 @@ def test_cli_no_maps_and_storage_dtype(tmp_path, capsys):
     tr = cw.Trace.load(out)
     assert not tr.has_maps and tr.top_k("attention", 3)[1].shape[-1] == 3
     assert "reductions only" in capsys.readouterr().out
-    assert main([*args, "--storage-dtype", "float16"]) == 0
+    assert main([*args, "--storage-dtype", "float16", "--overwrite"]) == 0
     assert (out / "maps").is_dir()
     tr = cw.Trace.load(out)
     assert tr.meta["storage_dtype"] == "float16" and tr.has_maps
@@ -439,12 +439,12 @@ def test_broken_folders_name_the_file_and_the_problem(tmp_path):
     (folder / "tokens.json").unlink()
     with pytest.raises(TraceFileError, match=r"tokens.json is missing"):
         cw.Trace.load(folder)
-    cw.trace(lm, IDS, measures=["attention"], out=folder)
+    cw.trace(lm, IDS, measures=["attention"], out=folder, overwrite=True)
     shard = folder / "maps" / "layer-001.safetensors"
     shard.write_bytes(shard.read_bytes()[:50])
     with pytest.raises(TraceFileError, match=r"layer-001.safetensors"):
         cw.Trace.load(folder)["attention"][1, 0]
-    cw.trace(lm, IDS, measures=["attention"], out=folder)
+    cw.trace(lm, IDS, measures=["attention"], out=folder, overwrite=True)
     vectors = folder / "vectors.safetensors"
     vectors.write_bytes(vectors.read_bytes()[:100])
     with pytest.raises(TraceFileError, match=r"vectors.safetensors.*truncated"):
@@ -465,7 +465,7 @@ def test_retrace_into_a_folder_leaves_nothing_of_the_last_run(tmp_path):
     lm = tiny_model("llama")
     cw.trace(lm, IDS, measures=["attention", "cosine"], out=tmp_path)
     (tmp_path / "heatmaps.png").write_bytes(b"old figure")
-    cw.trace(lm, IDS[:5], measures=["attention"], out=tmp_path, maps=False)
+    cw.trace(lm, IDS[:5], measures=["attention"], out=tmp_path, maps=False, overwrite=True)
     assert not (tmp_path / "heatmaps.png").exists() and not (tmp_path / "maps").exists()
     assert cw.Trace.load(tmp_path).num_tokens == 5
 

@@ -116,7 +116,7 @@ def test_saving_replaces_the_earlier_trace_and_keeps_other_files(lm, tmp_path):
     (tmp_path / "heatmaps.png").write_bytes(b"a figure of the earlier trace")
     (tmp_path / "notes.txt").write_text("mine")
     memory = cw.trace(lm, IDS_B, measures="attention")
-    memory.save(tmp_path, storage="float16")
+    memory.save(tmp_path, storage="float16", overwrite=True)
     _same_trace(tmp_path, IDS_B)
     assert not (tmp_path / "heatmaps.png").exists()  # the earlier trace's figure is gone
     assert (tmp_path / "notes.txt").read_text() == "mine"
@@ -150,16 +150,17 @@ def test_a_second_writer_is_refused_naming_the_other_process(lm, tmp_path, capsy
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(TraceFolderBusy, match=f"process {holder.pid} "):
-            cw.trace(lm, IDS_B, out=folder, maps=False)
+            cw.trace(lm, IDS_B, out=folder, maps=False, overwrite=True)
         model = save_tiny("llama", tmp_path / "model")
         argv = ["trace", "--text", "abc", "--model", str(model), "--out", str(folder)]
+        argv += ["--overwrite"]
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert str(folder) in err and f"process {holder.pid}" in err
     finally:
         holder.communicate("\n", timeout=60)
     _same_trace(folder, IDS_A)  # the refused writers changed nothing
-    cw.trace(lm, IDS_B, out=folder, maps=False)  # released: the next writer goes ahead
+    cw.trace(lm, IDS_B, out=folder, maps=False, overwrite=True)  # released: the next goes ahead
     _same_trace(folder, IDS_B)
 
 
@@ -177,7 +178,7 @@ def die_at_the_second_layer(self, pos):
         os.kill(os.getpid(), signal.SIGKILL)  # no cleanup of any kind runs
     finish(self, pos)
 storage.PackedMaps.finish_layer = die_at_the_second_layer
-cw.trace(tiny_model("llama"), torch.tensor({ids}), out={folder!r})
+cw.trace(tiny_model("llama"), torch.tensor({ids}), out={folder!r}, overwrite=True)
 """
 
 
@@ -191,7 +192,7 @@ def test_a_killed_writer_leaves_the_earlier_trace(lm, tmp_path):
     staging = [p.name for p in tmp_path.glob(".partial-*")]
     assert len(staging) == 1  # its unfinished files, apart from the trace
     _same_trace(tmp_path, IDS_A)
-    cw.trace(lm, IDS_B, out=tmp_path)  # the next writer clears them
+    cw.trace(lm, IDS_B, out=tmp_path, overwrite=True)  # the next writer clears them
     assert not list(tmp_path.glob(".partial-*"))
     _same_trace(tmp_path, IDS_B)
 
@@ -212,7 +213,7 @@ def test_a_move_interrupted_at_any_step_leaves_the_old_trace_or_none(
 
     monkeypatch.setattr(folder_mod.os, "replace", replace)
     with pytest.raises(OSError, match="went away"):
-        cw.trace(lm, IDS_B, out=tmp_path)
+        cw.trace(lm, IDS_B, out=tmp_path, overwrite=True)
     monkeypatch.undo()
     try:
         loaded = cw.Trace.load(tmp_path)
