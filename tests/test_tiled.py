@@ -138,7 +138,8 @@ from triton.compiler import ASTSource
 from contribution_weights.measures import triton_kernels as tk
 
 kernels = tk.build()
-INTS = {"START", "STOP", "KEY_LO", "KEY_HI", "SPAN_LO", "SPAN_HI", "TOP_I"}
+INTS = {"START", "STOP", "KEY_LO", "KEY_HI", "QUERY_LO", "QUERY_HI", "TOP_I"}
+OPERANDS = {"Q", "K", "V", "BACK", "LEFT"}
 
 
 def signature(fn, constants):
@@ -147,7 +148,8 @@ def signature(fn, constants):
         if name in constants:
             sig[name] = "constexpr"
         elif name.isupper():
-            sig[name] = "*i32" if name in INTS else "*fp32"
+            bf16 = constants.get("DOT") == 2 and name in OPERANDS
+            sig[name] = "*i32" if name in INTS else "*bf16" if bf16 else "*fp32"
         else:
             sig[name] = "fp32" if name in ("scaling", "softcap") else "i32"
     return sig
@@ -158,13 +160,20 @@ def build(fn, constants):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32))
 
 
+ALL = [0, 1, 2, 4, 5, 6, -1, -1]  # the default measures' kernel slots
 for d, tile in ((128, 32), (64, 64)):  # the tiles measures/tiled.py picks for those heads
     tiles = dict(BLOCK_M=tile, BLOCK_N=tile, BLOCK_D=d)
     build(kernels.forward, dict(SOFTCAP=d == 128, **tiles))
-    for measure, axis, top in ((1, 0, 8), (2, 1, 0), (6, 0, 5)):
+    for slots, top, dot in ((ALL, 8, 0), ([1, 7, 3, -1, -1, -1, -1, -1], 0, 1), (ALL, 5, 2)):
+        used = set(slots)
+        flags = dict(
+            ALPHA=bool(used & {0, 1, 2, 5, 6, 7}), P=bool(used & {1, 3, 4, 7}), PH=2 in used,
+            VNORM=bool(used & {4, 5, 6}), ONORM=bool(used & {4, 6}), SOFTCAP=dot == 1,
+            DOT=dot, INTERPRET=False, **{f"M{i}": m for i, m in enumerate(slots)}, **tiles,
+        )
         pad = 1 << max(0, top - 1).bit_length() if top else 1
-        flags = dict(MEASURE=measure, AXIS=axis, SIGNED=measure < 3, SOFTCAP=False)
-        build(kernels.reduce, dict(TOPK=top, TOPK_PAD=pad, **flags, **tiles))
+        build(kernels.rows, dict(TOPK=top, TOPK_PAD=pad, **flags))
+        build(kernels.cols, flags)
 print("compiled")
 """
 
@@ -173,7 +182,8 @@ def test_the_kernels_compile_for_a_gpu_without_one(tmp_path):
     """Triton compiles for an H100/H200 (sm_90) with no GPU present: its front end, the
     NVIDIA backend and the ptxas it ships. The interpreter never compiles, so this is what
     catches code it accepts and a GPU would not (a fresh process without TRITON_INTERPRET,
-    the tiles and head sizes the launcher uses, each direction, with and without top keys)."""
+    the tiles and head sizes the launcher uses, both kernels of the fused pair, with and
+    without top keys, in each precision)."""
     script = tmp_path / "compile.py"
     script.write_text(COMPILE)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -10,16 +10,19 @@ every pass. Here nothing of the sort exists. Given a layer's queries, keys and v
 2. from those, the per-query and per-key vectors every measure needs, ``O(T · d)``
    each (the layer output ``o_i``, ``W_O^(h)ᵀ o_i / ‖o_i‖²``, ``Gram_h z_i / ‖o_i^(h)‖²``,
    ``‖ṽ_j^(h)‖``), as :class:`~.layer.LayerTensors` defines them;
-3. per measure, the kernel ``reduce`` recomputes α, p and the measure tile by tile in
-   registers and folds it into the sums a trace keeps (:class:`~.kernels.BlockSums`:
-   row and column sums, the entropies' sums, the key-0 entry) and each query's top keys.
+3. one launch of the kernel ``rows`` and one of ``cols`` for up to
+   :data:`~.triton_kernels.SLOTS` measures at once recompute α, p and p^(h) tile by tile
+   in registers, once for all of them, and fold every measure into the sums a trace keeps
+   (:class:`~.kernels.BlockSums`: row sums, the entropies' sums, the key-0 entry and each
+   query's top keys from ``rows``; the per-key column sums from ``cols``).
 
 Memory is ``O(H · T · d_h)``, whatever the length: what users with 8B models at 32k
-tokens need on a GPU. Costs: α is recomputed once per measure and direction (a
-``QKᵀ`` tile product each), which the GPU's arithmetic absorbs better than the plain
-path's memory traffic; whether it does, benchmarks/bench_gpu.py measures (its
-``no-maps-triton`` row). Exactness: float32 throughout (``tl.dot`` in IEEE precision,
-not TF32); the tests compare with the plain path under Triton's interpreter, on CPU.
+tokens need on a GPU. Costs: two ``QKᵀ`` tile products per group of measures (one per
+direction) besides the forward's. Precision (:data:`PRECISIONS`): ``"ieee"`` multiplies
+in float32 (``tl.dot`` in IEEE precision, the default, exact to float32 rounding);
+``"tf32"`` and ``"bf16"`` feed the tensor cores rounded operands and accumulate in
+float32. The tests compare every precision with the plain path under Triton's
+interpreter, on CPU, which rounds the operands the same way.
 
 What it serves: traces without maps (``maps=False``, reductions only) of one sequence,
 with the measures of :data:`MEASURES` (rank-one ``relative_norm`` needs no kernel), on
@@ -59,6 +62,9 @@ MEASURES = {
 #: queries and keys per tile (halved for heads wider than 128 on GPUs: each tile holds
 #: three (queries, head dim) operands in registers); tl.dot needs at least 16
 TILE = 64
+#: precision of the fused kernels' products (float32 accumulation in every case): IEEE
+#: float32, TF32 tensor cores (10-bit mantissa operands), bfloat16 operands
+PRECISIONS = {"ieee": 0, "tf32": 1, "bf16": 2}
 #: measures the tiled path serves without a kernel (their reductions are rank one)
 RANK_ONE = frozenset({"relative_norm"})
 
@@ -151,6 +157,7 @@ class TiledLayer:
     gram: Tensor
     block_m: int = 0  # queries per tile (0: TILE)
     block_n: int = 0  # keys per tile (0: TILE)
+    precision: str = "ieee"  # of the products: ieee, tf32 or bf16 (PRECISIONS)
 
     def __post_init__(self) -> None:
         h, g = self.q.shape[0], self.k.shape[0]
@@ -165,6 +172,10 @@ class TiledLayer:
         # offline compile for sm_90); halved there
         tile = TILE if self.block_d < 128 or self.interpret else TILE // 2
         self.block_m, self.block_n = self.block_m or tile, self.block_n or tile
+        if self.precision not in PRECISIONS:
+            raise ValueError(
+                f"precision must be one of {', '.join(PRECISIONS)}, not {self.precision!r}"
+            )
         for size in (self.block_m, self.block_n):
             if size < 16 or size & (size - 1):
                 raise ValueError(f"tiles must be powers of two of at least 16, not {size}")
@@ -245,72 +256,115 @@ class TiledLayer:
             vec.__dict__.pop(large, None)  # O(T · d) each: taken above or no longer needed
         self.vectors = vec
 
-    # ---- step 3: one measure's sums -------------------------------------------------------
+    # ---- step 3: every measure's sums, one fused pair of launches --------------------
+    def all_sums(
+        self, names: list[str], top_k: int
+    ) -> dict[str, tuple[BlockSums, tuple[Tensor, Tensor] | None]]:
+        """The :class:`~.kernels.BlockSums` of every measure in ``names`` that the kernels
+        compute (:data:`MEASURES`) over every query and key (no chunk maxima: the top keys
+        come with them, largest |w| first, as ``(H, T_q, top_k)`` key indices and signed
+        values, None for a measure that is not a weight or when ``top_k`` is 0). One
+        launch of ``rows`` and one of ``cols`` per :data:`~.triton_kernels.SLOTS`
+        measures: α, p and p^(h) are computed once per tile for all of them."""
+        from .triton_kernels import SLOTS
+
+        served = [n for n in names if n in MEASURES]
+        out: dict[str, tuple[BlockSums, tuple[Tensor, Tensor] | None]] = {}
+        for i in range(0, len(served), SLOTS):
+            out.update(self._group_sums(served[i : i + SLOTS], top_k, SLOTS))
+        return out
+
     def sums(self, name: str, top_k: int) -> tuple[BlockSums, tuple[Tensor, Tensor] | None]:
-        """The :class:`~.kernels.BlockSums` of measure ``name`` over every query and key
-        (no chunk maxima: the top keys come with them, largest |w| first, as ``(H, T_q,
-        top_k)`` key indices and signed values; None when ``top_k`` is 0)."""
-        h, t_q = self.q.shape[:2]
-        t_k = self.k.shape[1]
-        measure = get_measure(name)
+        """One measure's :meth:`all_sums`."""
+        return self.all_sums([name], top_k)[name]
+
+    @functools.cached_property
+    def operands(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """``q, k, v``, ``W_Oᵀ o_i/‖o_i‖²`` and ``Gram_h z_i/‖o_i^(h)‖²`` as the products
+        read them: float32 (IEEE; TF32 on a GPU, rounded to TF32 here under the
+        interpreter, which multiplies in float32), or bfloat16 (rounded to nearest)."""
+        ops = (self.q, self.k, self.v, self.back, self.left)
+        if self.precision == "bf16":
+            return tuple(x.to(torch.bfloat16).contiguous() for x in ops)  # type: ignore[return-value]
+        if self.precision == "tf32" and self.interpret:
+            return tuple(round_tf32(x) for x in ops)  # type: ignore[return-value]
+        return ops
+
+    def _group_sums(
+        self, group: list[str], top_k: int, slots: int
+    ) -> dict[str, tuple[BlockSums, tuple[Tensor, Tensor] | None]]:
+        h, t_q, d = self.q.shape
+        g, t_k = self.k.shape[:2]
         dev = self.q.device
-
-        def f32(*shape: int) -> Tensor:
-            return torch.empty(*shape, dtype=torch.float32, device=dev)
-
-        row, rest, rest_log, first, first_value = (f32(h, t_q) for _ in range(5))
-        col, col_abs = f32(h, t_k), f32(h, t_k)
-        k = top_k if measure.is_weight else 0
-        top_a = f32(h, t_q, max(k, 1))
+        numbers = [MEASURES[n] for n in group]
+        used = set(numbers)
+        weights = [get_measure(n).is_weight for n in group]
+        k = top_k if any(weights) else 0
+        rows = torch.empty(len(group), 5, h, t_q, dtype=torch.float32, device=dev)
+        top_a = torch.empty(len(group), h, t_q, max(k, 1), dtype=torch.float32, device=dev)
         top_w = torch.empty_like(top_a)
-        top_i = torch.empty(h, t_q, max(k, 1), dtype=torch.int32, device=dev)
-        const = dict(
-            MEASURE=MEASURES[name],
-            SIGNED=measure.signed,
+        top_i = torch.empty(len(group), h, t_q, max(k, 1), dtype=torch.int32, device=dev)
+        cols = torch.empty(2 * len(group), h, t_k, dtype=torch.float32, device=dev)
+        const = {f"M{i}": (numbers[i] if i < len(numbers) else -1) for i in range(slots)}
+        const.update(
+            ALPHA=bool(used & {0, 1, 2, 5, 6, 7}),
+            P=bool(used & {1, 3, 4, 7}),
+            PH=2 in used,
+            VNORM=bool(used & {4, 5, 6}),
+            ONORM=bool(used & {4, 6}),
             SOFTCAP=self.softcap is not None,
-            TOPK=k,
-            TOPK_PAD=max(1, 1 << (k - 1).bit_length()) if k else 1,
+            DOT=PRECISIONS[self.precision],
+            INTERPRET=self.interpret,
             BLOCK_M=self.block_m,
             BLOCK_N=self.block_n,
             BLOCK_D=self.block_d,
         )
+        q, key, v, back, left = self.operands
+        common = (
+            q, key, v, back, left, self.start, self.stop, self.lse, self.output_norm,
+            self.value_norm,
+        )  # fmt: skip
+        sizes = (h, t_q, t_k, d, h // g, self.scaling, self.softcap or 1.0)
+        strides = (q.stride(0), q.stride(1), key.stride(0), key.stride(1))
+        pad = max(1, 1 << (k - 1).bit_length()) if k else 1
         with _on(dev):
-            self._launch_reduce(const, row, rest, rest_log, first, first_value, col, col_abs,
-                                top_a, top_w, top_i)  # fmt: skip
-        sums = BlockSums(
-            col=col,
-            col_abs=col_abs,
-            row=row if measure.signed else rest + first,
-            rest_total=rest,
-            rest_log=rest_log,
-            first=first,
-            maxima=None,
-            first_value=first_value,
-        )
-        if not k:
-            return sums, None
-        order = top_a.argsort(-1, descending=True)
-        return sums, (top_i.gather(-1, order).long(), top_w.gather(-1, order))
-
-    def _launch_reduce(
-        self, const: dict, row: Tensor, rest: Tensor, rest_log: Tensor, first: Tensor,
-        first_value: Tensor, col: Tensor, col_abs: Tensor, top_a: Tensor, top_w: Tensor,
-        top_i: Tensor,
-    ) -> None:  # fmt: skip
-        h, t_q, d = self.q.shape
-        g, t_k = self.k.shape[:2]
-        for axis, spans, outs in (
-            (0, (self.key_lo, self.key_hi), (row, None, rest, rest_log, first, first_value)),
-            (1, (self.query_lo, self.query_hi), (col, col_abs, None, None, None, None)),
-        ):
-            o = [x if x is not None else row for x in outs]  # unused by that direction
-            self.kern.reduce[self._grid(axis)](
-                self.q, self.k, self.v, self.start, self.stop, self.lse, self.back, self.left,
-                self.output_norm, self.value_norm, *spans, *o, top_a, top_w, top_i,
-                t_q, t_k, d, h // g, self.scaling, self.softcap or 1.0,
-                self.q.stride(0), self.q.stride(1), self.k.stride(0), self.k.stride(1),
-                AXIS=axis, **const,
+            self.kern.rows[self._grid(0)](
+                *common, self.key_lo, self.key_hi, rows, top_w, top_a, top_i, *sizes, *strides,
+                TOPK=k, TOPK_PAD=pad, **const,
             )  # fmt: skip
+            self.kern.cols[self._grid(1)](
+                *common, self.query_lo, self.query_hi, cols, *sizes, *strides, **const
+            )
+        out: dict[str, tuple[BlockSums, tuple[Tensor, Tensor] | None]] = {}
+        for slot, (name, weight) in enumerate(zip(group, weights, strict=True)):
+            row, rest, rest_log, first, first_value = rows[slot].unbind(0)
+            sums = BlockSums(
+                col=cols[2 * slot],
+                col_abs=cols[2 * slot + 1],
+                row=row if get_measure(name).signed else rest + first,
+                rest_total=rest,
+                rest_log=rest_log,
+                first=first,
+                maxima=None,
+                first_value=first_value,
+            )
+            if not (k and weight):
+                out[name] = (sums, None)
+                continue
+            order = top_a[slot].argsort(-1, descending=True)
+            out[name] = (
+                sums,
+                (top_i[slot].gather(-1, order).long(), top_w[slot].gather(-1, order)),
+            )
+        return out
+
+
+def round_tf32(x: Tensor) -> Tensor:
+    """Float32 ``x`` rounded to TF32 (10 mantissa bits, to nearest, ties to even): the
+    operands a TF32 tensor-core product reads, for the interpreter to multiply."""
+    bits = x.float().contiguous().view(torch.int32)
+    bias = 0xFFF + ((bits >> 13) & 1)
+    return ((bits + bias) & ~0x1FFF).view(torch.float32)
 
 
 def _on(device: torch.device) -> contextlib.AbstractContextManager[None]:

@@ -152,6 +152,8 @@ class TraceRecorder:
             call.softcap, w_o, b_o, gram,
         )  # fmt: skip
         t = call.k_len
+        # every measure's sums in one fused pair of launches
+        reduced = layer.all_sums(self.measures, min(red.top_k, t))
         for name in self.measures:
             measure = get_measure(name)
             if isinstance(measure.algebra, RankOne):
@@ -161,7 +163,9 @@ class TraceRecorder:
                     valid = call.valid(rows)[0]
                     red.add_rank_one(name, pos, rows.start, key_f, query_f[rows], valid, 0)
                 continue
-            sums, top = layer.sums(name, red.top_slots(name, t))
+            sums, top = reduced[name]
+            if red.top_slots(name, t) == 0:
+                top = None
             if measure.is_weight:
                 red.fold(name, pos, 0, sums, top, 0)
             else:
