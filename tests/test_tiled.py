@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_kernels import assert_sums_close
-from tiny_models import tiny_model
+from tiny_models import FAMILIES, tiny_model
 
 import contribution_weights as cw
 from contribution_weights.inputs import InputError
@@ -76,6 +76,46 @@ def test_tiled_kernels_give_the_plain_reductions(family, measures):
     """Over 40 tokens: two tiles of queries and of keys, the second partial. (The
     interpreter is slow: every measure on one family, the families' features on a few.)"""
     _assert_same(*_pair(family, 40, measures))
+
+
+#: the largest error each product precision may make, relative to the largest magnitude of
+#: the reduction, against a float64 trace (docs/long-contexts.md gives the measured one:
+#: benchmarks/kernel_precision.py on real weights)
+BUDGET = {"ieee": 2e-5, "tf32": 5e-3, "bf16": 4e-2}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_precision_within_its_error_budget_on_every_family(family):
+    """ieee, tf32 and bf16 products against the plain path in float64, over 40 tokens (two
+    tiles, the second partial): each within its budget, and the rounding of the operands
+    really used (tf32 and bf16 err more than ieee)."""
+    lm = tiny_model(family)
+    lm.model.config.max_position_embeddings = 512
+    ids = torch.randint(0, 99, (40,), generator=torch.Generator().manual_seed(3))
+    common = dict(maps=False, top_k=3, measures="attention,contribution,intra", progress=False)
+    reference = cw.trace(lm, ids, kernels="torch", compute_dtype="float64", **common)
+    worst = {}
+    for precision, budget in BUDGET.items():
+        got = cw.trace(lm, ids, kernels="triton", kernel_precision=precision, **common)
+        assert got.meta["kernel_precision"] == precision
+        worst[precision] = 0.0
+        for name, r in reference.reductions.items():
+            for field in ("token_sums", "row_sum", "first", "entropy", "top_values"):
+                x, y = getattr(got.reductions[name], field), getattr(r, field)
+                if field == "top_values":  # ranked by magnitude
+                    x, y = x.abs(), y.abs()
+                rel = float((x.double() - y).abs().max() / y.abs().max().clamp_min(1e-30))
+                assert rel <= budget, f"{precision} {name}.{field}: {rel:.1e} > {budget:.0e}"
+                worst[precision] = max(worst[precision], rel)
+    assert worst["ieee"] < worst["tf32"] < worst["bf16"], worst
+
+
+def test_a_precision_the_kernels_do_not_take_is_refused():
+    lm = tiny_model("llama")
+    with pytest.raises(ValueError, match="kernels='triton'"):
+        cw.trace(lm, "a b c", kernels="torch", kernel_precision="bf16", progress=False)
+    with pytest.raises(ValueError, match="ieee, tf32, bf16"):
+        cw.trace(lm, "a b c", kernels="triton", kernel_precision="fp8", progress=False)
 
 
 def test_tiled_kernels_with_the_faithfulness_measure_and_no_top_keys():

@@ -23,6 +23,9 @@ DEFAULT_TOP_K = 8
 #: how a trace reduces its blocks (``measures.kernels``): plain torch, compiled, compiled
 #: for long texts only, or tiled Triton kernels that build no map (``measures.tiled``)
 KERNELS = ("auto", "torch", "compiled", "triton")
+#: the products of the tiled Triton kernels (``measures.tiled``): IEEE float32 (exact to
+#: float32 rounding), or tensor cores on TF32 / bfloat16 operands, float32 accumulation
+KERNEL_PRECISIONS = ("ieee", "tf32", "bf16")
 
 #: removal experiments (``interventions``, faithfulness and downstream): what a removal
 #: keeps, how tokens are ranked, and the hidden-state cosine that marks a sink token

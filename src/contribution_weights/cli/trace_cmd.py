@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..defaults import DEFAULT_TOP_K, KERNELS, STORAGE_DTYPE_NAMES
+from ..defaults import DEFAULT_TOP_K, KERNEL_PRECISIONS, KERNELS, STORAGE_DTYPE_NAMES
 from .common import (
     add_model_arguments,
     add_text_arguments,
@@ -109,6 +109,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "slow interpreter) (default auto)",
     )
     p.add_argument(
+        "--kernel-precision",
+        choices=KERNEL_PRECISIONS,
+        default="ieee",
+        help="the products of --kernels triton: ieee (float32, exact to its rounding), or "
+        "tf32 / bf16 tensor-core operands with float32 sums, faster on GPUs within the "
+        "error budget docs/long-contexts.md states (default ieee)",
+    )
+    p.add_argument(
         "--memory-limit",
         type=parse_bytes,
         default=None,
@@ -184,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
         memory_limit=args.memory_limit,
         exact_inputs=args.exact_inputs,
         kernels=args.kernels,
+        kernel_precision=args.kernel_precision,
     )
     from ..tracing.folder import writer_lock
 

@@ -40,7 +40,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from ..defaults import KERNELS  # light: the CLI shows the choices before torch
+from ..defaults import KERNEL_PRECISIONS, KERNELS  # light: the CLI shows the choices before torch
 from .layer import Factors
 from .registry import get_measure
 
@@ -124,19 +124,42 @@ def fused_block_sums(w: Float[Tensor, "h i k"]) -> tuple[Tensor, ...]:
     )
 
 
+def check_precision(choice: str, precision: str) -> None:
+    """A ``ValueError`` naming the fix when ``precision`` is unknown or asked of kernels
+    that do not take it (only the tiled Triton kernels multiply on tensor cores)."""
+    if precision not in KERNEL_PRECISIONS:
+        raise ValueError(
+            f"kernel_precision={precision!r}: choose one of {', '.join(KERNEL_PRECISIONS)}"
+        )
+    if precision != "ieee" and choice != "triton":
+        raise ValueError(
+            f"kernel_precision={precision!r} applies to kernels='triton' (the tiled "
+            f"kernels' tensor-core products); kernels={choice!r} computes in the trace's "
+            "dtype: choose kernels='triton' or leave kernel_precision='ieee'"
+        )
+
+
 class Kernels:
     """Which implementation reduces blocks: ``"torch"``, ``"compiled"`` or ``"auto"``
     (compiled on the devices of :data:`COMPILE_ON` from :data:`COMPILE_FROM_TOKENS` tokens
     on, else plain). A compile that fails warns once and leaves the plain path in use.
     ``"triton"``: no blocks at all; traced layers are reduced whole by the tiled kernels
-    of :mod:`.tiled` (traces without maps only)."""
+    of :mod:`.tiled` (traces without maps only), whose products are ``precision``
+    (:data:`~..defaults.KERNEL_PRECISIONS`; the other kernels compute in the trace's
+    dtype and take ``"ieee"`` only)."""
 
     def __init__(
-        self, choice: str = "torch", num_tokens: int = 0, device: torch.device | str = "cpu"
+        self,
+        choice: str = "torch",
+        num_tokens: int = 0,
+        device: torch.device | str = "cpu",
+        precision: str = "ieee",
     ) -> None:
         if choice not in KERNELS:
             raise ValueError(f"kernels={choice!r}: choose one of {', '.join(KERNELS)}")
+        check_precision(choice, precision)
         self.choice = choice
+        self.precision = precision
         self.tiled = choice == "triton"  # whole layers by measures.tiled, no blocks
         self.compiled = choice == "compiled" or (
             choice == "auto"

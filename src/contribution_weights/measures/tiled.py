@@ -44,6 +44,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
+from ..defaults import KERNEL_PRECISIONS
 from .kernels import BlockSums
 from .layer import LayerVectors
 from .registry import get_measure
@@ -64,7 +65,7 @@ MEASURES = {
 TILE = 64
 #: precision of the fused kernels' products (float32 accumulation in every case): IEEE
 #: float32, TF32 tensor cores (10-bit mantissa operands), bfloat16 operands
-PRECISIONS = {"ieee": 0, "tf32": 1, "bf16": 2}
+PRECISIONS = {name: i for i, name in enumerate(KERNEL_PRECISIONS)}
 #: measures the tiled path serves without a kernel (their reductions are rank one)
 RANK_ONE = frozenset({"relative_norm"})
 

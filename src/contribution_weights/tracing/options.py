@@ -10,6 +10,7 @@ from typing import Any
 from ..capture import DEFAULT_BLOCK_BYTES
 from ..defaults import DEFAULT_TOP_K, KERNELS
 from ..fields import as_bytes
+from ..measures.kernels import check_precision
 
 
 @dataclass
@@ -41,6 +42,10 @@ class TraceOptions:
             ``measures.tiled``, FlashAttention-style, no ``T × T`` map in memory; meant
             for GPUs, interpreted and slow on CPUs). All give the same reductions to
             float rounding.
+        kernel_precision: the products of ``kernels="triton"``: ``"ieee"`` (float32,
+            the default), ``"tf32"`` or ``"bf16"`` (tensor-core operands, float32
+            accumulation; faster on GPUs, to the error budget docs/long-contexts.md
+            states).
     """
 
     measures: str | Sequence[str] = "all"
@@ -55,6 +60,7 @@ class TraceOptions:
     memory_limit: int | None = None
     exact_inputs: bool = False
     kernels: str = "auto"
+    kernel_precision: str = "ieee"
 
     def as_kwargs(self) -> dict[str, Any]:
         return asdict(self)
@@ -81,6 +87,7 @@ class TraceOptions:
             raise ValueError(f"max_tokens must be at least 1, not {self.max_tokens}")
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels={self.kernels!r}: choose one of {', '.join(KERNELS)}")
+        check_precision(self.kernels, self.kernel_precision)
         # sizes as numbers or as text ("8G", "32M"), as the command line takes them
         for name in ("block_bytes", "memory_limit"):
             value = getattr(self, name)

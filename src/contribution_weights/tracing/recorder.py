@@ -149,7 +149,7 @@ class TraceRecorder:
         w_o, b_o, gram = call.output_blocks(torch.float32)
         layer = TiledLayer(
             call.query[0], call.key[0], call.value[0], start, stop, call.scaling,
-            call.softcap, w_o, b_o, gram,
+            call.softcap, w_o, b_o, gram, precision=red.kernels.precision,
         )  # fmt: skip
         t = call.k_len
         # every measure's sums in one fused pair of launches

@@ -164,7 +164,7 @@ def trace(
         if not maps or stage is not None:
             reducer = ReductionAccumulator(
                 names, len(layer_list), heads, t, top_k, dtype, model.device,
-                kernels=Kernels(opts.kernels, t, model.device),
+                kernels=Kernels(opts.kernels, t, model.device, opts.kernel_precision),
             )  # fmt: skip
         recorder = TraceRecorder(names, layer_list, t, dtype, store=store, reducer=reducer)
         recorder.eager_everywhere = opts.exact_inputs
@@ -188,6 +188,8 @@ def trace(
                 "storage_dtype": dtype_name(storage),
                 "model_dtype": dtype_name(model.model.dtype),
                 "num_layers": model.num_layers,
+                "kernels": opts.kernels,
+                "kernel_precision": opts.kernel_precision,
                 "created": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             },
             path=stage,
