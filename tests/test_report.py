@@ -18,10 +18,10 @@ from tiny_models import tiny_model
 
 import contribution_weights as cw
 from contribution_weights.cli import main
+from contribution_weights.fields import int_ranges
 from contribution_weights.presentation import report_data
 from contribution_weights.presentation.report import (
     ReportSizeWarning,
-    _ranges,
     build_report,
     notebook_html,
     read_report,
@@ -187,8 +187,8 @@ def test_over_the_limit_keeps_evenly_spaced_layers_and_warns(tmp_path):
 
 
 def test_layer_ranges_in_the_warning():
-    assert _ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
-    assert _ranges([3]) == "3" and _ranges([]) == ""
+    assert int_ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
+    assert int_ranges([3]) == "3" and int_ranges([]) == ""
 
 
 def test_choice_of_measures_and_layers(tiny_trace):

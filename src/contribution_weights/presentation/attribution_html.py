@@ -20,19 +20,14 @@ import html
 import json
 import math
 import re
-from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
 from ..attribution.result import Attribution
-from .report import _json_for_script
+from .page import asset, fill, json_for_script
 
 FORMAT_VERSION = 1
 DATA_ID = "cw-attribution"
-
-
-def _asset(name: str) -> str:
-    return files("contribution_weights.presentation").joinpath("assets", name).read_text("utf-8")
 
 
 def _num(value: float) -> float | None:
@@ -155,12 +150,11 @@ def build_attribution_html(result: Attribution, *, title: str | None = None) -> 
         ),
         "__CW_OUTPUTS__": outputs,
         "__CW_TOKENS__": tokens,
-        "/*__CW_CSS__*/": _asset("attribution.css"),
-        "//__CW_JS__": _asset("attribution.js"),
-        "__CW_DATA__": _json_for_script(data),
+        "/*__CW_CSS__*/": asset("attribution.css"),
+        "//__CW_JS__": asset("attribution.js"),
+        "__CW_DATA__": json_for_script(data),
     }
-    pattern = re.compile("|".join(re.escape(k) for k in parts))
-    return pattern.sub(lambda m: parts[m.group(0)], _asset("attribution.html"))
+    return fill("attribution.html", parts)
 
 
 def write_attribution_html(

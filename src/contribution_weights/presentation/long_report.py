@@ -36,7 +36,6 @@ query to the next, and split this way they compress about 15% better.
 from __future__ import annotations
 
 import html
-import re
 import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -46,6 +45,7 @@ import torch
 
 from ..measures.aggregates import normalised
 from ..progress import bar
+from .page import CHUNK_TAG, asset, estimate_bytes, fill, json_for_script
 from .report_data import b64, page_data
 
 if TYPE_CHECKING:
@@ -68,7 +68,6 @@ def sources_k(num_tokens: int) -> int:
 
 
 LONG_MAX_BYTES = 20 * 2**20
-_CHUNK_TAG = '<script type="application/x-cw-chunk" id="{id}">{data}</script>\n'
 
 
 def quantise_rows(x: np.ndarray, signed: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -243,21 +242,18 @@ def resolve_window(trace: Trace, window: tuple[int, int] | None) -> tuple[int, i
 
 
 def render_long(meta: dict[str, Any], chunks: dict[str, str], title: str) -> str:
-    from .report import _asset, _json_for_script
-
     parts = {
         "__CW_TITLE__": html.escape(title),
-        "/*__CW_CSS__*/": _asset("report.css") + _asset("long_report.css"),
+        "/*__CW_CSS__*/": asset("report.css") + asset("long_report.css"),
         "//__CW_JS__": "\n".join(
-            _asset(n) for n in ("report_data.js", "report_chart.js", "long_report.js")
+            asset(n) for n in ("report_data.js", "report_chart.js", "long_report.js")
         ),
-        "__CW_META__": _json_for_script(meta),
+        "__CW_META__": json_for_script(meta),
         "<!--__CW_CHUNKS__-->": "".join(
-            _CHUNK_TAG.format(id=cid, data=text) for cid, text in chunks.items()
+            CHUNK_TAG.format(id=cid, data=text) for cid, text in chunks.items()
         ),
     }
-    pattern = re.compile("|".join(re.escape(key) for key in parts))
-    return pattern.sub(lambda m: parts[m.group(0)], _asset("long_report.html"))
+    return fill("long_report.html", parts)
 
 
 class LongEncoder:
@@ -308,11 +304,9 @@ class LongEncoder:
 
     def layer_bytes(self, layer: int) -> int:
         """Exact bytes a layer adds to the page (encodes it if needed)."""
-        return sum(len(_CHUNK_TAG) + len(i) + len(t) for i, t in self.layer(layer).items())
+        return sum(len(CHUNK_TAG) + len(i) + len(t) for i, t in self.layer(layer).items())
 
     def estimate(self, layers: list[int]) -> float:
-        from .report import estimate_bytes
-
         return estimate_bytes(self.layer_bytes, list(self._chunks), layers)
 
     def close(self) -> None:

@@ -22,20 +22,19 @@ from __future__ import annotations
 
 import base64
 import html
-import json
-import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from importlib.resources import files
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from ..fields import int_ranges
 from ..measures.registry import get_measure
 from ..progress import bar, status
+from .page import CHUNK_TAG, asset, estimate_bytes, fill, json_for_script
 from .report_data import (  # DEFAULT_*: light, for `cw report --help` before torch
     DEFAULT_MAX_BYTES,
     DEFAULT_MEASURES,
@@ -60,7 +59,6 @@ FORMAT_VERSION = 1
 #: own maximum: at a few hundred tokens most weights are small next to the sink and the
 #: diagonal, and a linear scale for the whole block leaves the heatmaps nearly blank
 LONG_TEXT_TOKENS = 200
-_CHUNK_TAG = '<script type="application/x-cw-chunk" id="{id}">{data}</script>\n'
 #: why a trace without maps has no report, and what to run instead (Python spelling;
 #: ``cw report`` says the same with the CLI's)
 NO_MAPS_MESSAGE = (
@@ -104,10 +102,6 @@ def view_defaults(num_tokens: int) -> dict[str, str]:
     return {"contrast": "sqrt" if long else "linear", "heat_rows": "row" if long else "block"}
 
 
-def _asset(name: str) -> str:
-    return files("contribution_weights.presentation").joinpath("assets", name).read_text("utf-8")
-
-
 def _resolve_measures(
     trace: Trace, measures: str | list[str] | tuple[str, ...] | None
 ) -> list[str]:
@@ -148,17 +142,6 @@ def _evenly_spaced(items: list[int], k: int) -> list[int]:
     return [items[i] for i in idx]
 
 
-def _ranges(items: list[int]) -> str:
-    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2, 5, 7-8"``."""
-    runs: list[list[int]] = []
-    for x in items:
-        if runs and x == runs[-1][-1] + 1:
-            runs[-1].append(x)
-        else:
-            runs.append([x])
-    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
-
-
 def _declared_signed(name: str) -> bool:
     try:
         return bool(get_measure(name).signed)
@@ -172,12 +155,6 @@ def _measure_meta(name: str, signed: bool) -> dict[str, Any]:
         return {"description": m.description, "signed": signed, "weight": m.is_weight}
     except ValueError:
         return {"description": name, "signed": signed, "weight": False}
-
-
-def _json_for_script(obj: Any) -> str:
-    """JSON that is safe inside a ``<script>`` element (no ``</script>``, no U+2028)."""
-    text = json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-    return text.replace("<", "\\u003c").replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
 
 
 def _finite(x: float) -> float | None:
@@ -272,7 +249,7 @@ class _Encoder:
     def layer_bytes(self, layer: int) -> int:
         """Exact bytes a layer adds to the page (encodes it if needed)."""
         return sum(
-            len(_CHUNK_TAG) + len(info.script_id) + info.compressed_bytes
+            len(CHUNK_TAG) + len(info.script_id) + info.compressed_bytes
             for info, _ in self.layer(layer)
         )
 
@@ -283,15 +260,6 @@ class _Encoder:
         self.bar.total = self.bar.n  # layers left out were never encoded
         self.bar.refresh()
         self.bar.close()
-
-
-def estimate_bytes(
-    layer_bytes: Callable[[int], int], encoded: list[int], layers: list[int]
-) -> float:
-    """Bytes of these layers: exact where encoded, the mean of those elsewhere."""
-    known = [layer_bytes(x) for x in encoded]
-    mean = sum(known) / len(known) if known else 0.0
-    return sum(layer_bytes(x) if x in encoded else mean for x in layers)
 
 
 def _choose_layers(
@@ -352,7 +320,7 @@ def _dropped_note(
     return [
         f"All {len(wanted)} layers would not fit the limit of "
         f"{max_bytes / 2**20:.1f} MiB: embedded {len(chosen)} evenly spaced layers "
-        f"({', '.join(map(str, chosen))}); left out {_ranges(dropped)}. {extra}"
+        f"({', '.join(map(str, chosen))}); left out {int_ranges(dropped)}. {extra}"
         "Raise max_bytes (cw report --max-bytes), pick layers, or embed fewer measures."
     ]
 
@@ -394,17 +362,16 @@ def _render(
     parts = {
         "__CW_TITLE__": html.escape(title),
         "__CW_BODY_CLASS__": "compact" if compact else "full",
-        "/*__CW_CSS__*/": _asset("report.css"),
+        "/*__CW_CSS__*/": asset("report.css"),
         "//__CW_JS__": "\n".join(
-            _asset(n) for n in ("report_data.js", "report_chart.js", "report.js")
+            asset(n) for n in ("report_data.js", "report_chart.js", "report.js")
         ),
-        "__CW_META__": _json_for_script(meta),
+        "__CW_META__": json_for_script(meta),
         "<!--__CW_CHUNKS__-->": "".join(
-            _CHUNK_TAG.format(id=c.script_id, data=text) for c, text in chunks
+            CHUNK_TAG.format(id=c.script_id, data=text) for c, text in chunks
         ),
     }
-    pattern = re.compile("|".join(re.escape(k) for k in parts))
-    return pattern.sub(lambda m: parts[m.group(0)], _asset("report.html"))
+    return fill("report.html", parts)
 
 
 def build_report(

@@ -1,0 +1,42 @@
+"""What every self-contained HTML page of the package shares: its packaged assets, JSON
+safe inside a ``<script>``, the chunk tag a report embeds its data in, and the filling of
+a template's placeholders. Below :mod:`.report`, :mod:`.long_report` and
+:mod:`.attribution_html`, which all build pages with it."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping
+from importlib.resources import files
+from typing import Any
+
+#: one embedded, compressed chunk of a report's data
+CHUNK_TAG = '<script type="application/x-cw-chunk" id="{id}">{data}</script>\n'
+
+
+def asset(name: str) -> str:
+    """A packaged asset (``presentation/assets/NAME``): template, style sheet or script."""
+    return files("contribution_weights.presentation").joinpath("assets", name).read_text("utf-8")
+
+
+def json_for_script(obj: Any) -> str:
+    """JSON that is safe inside a ``<script>`` element (no ``</script>``, no U+2028)."""
+    text = json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    return text.replace("<", "\\u003c").replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
+
+
+def fill(template: str, parts: Mapping[str, str]) -> str:
+    """The asset ``template`` with each placeholder of ``parts`` replaced, in one pass (a
+    part's text is never searched for placeholders)."""
+    pattern = re.compile("|".join(re.escape(k) for k in parts))
+    return pattern.sub(lambda m: parts[m.group(0)], asset(template))
+
+
+def estimate_bytes(
+    layer_bytes: Callable[[int], int], encoded: list[int], layers: list[int]
+) -> float:
+    """Bytes of these layers: exact where encoded, the mean of those elsewhere."""
+    known = [layer_bytes(x) for x in encoded]
+    mean = sum(known) / len(known) if known else 0.0
+    return sum(layer_bytes(x) if x in encoded else mean for x in layers)
