@@ -5,12 +5,11 @@
 One text (the package's example, repeated to ``--tokens`` tokens: several tiles) is
 traced without maps three ways by ``kernels="triton"``, one per ``kernel_precision``
 (``ieee``, ``tf32``, ``bf16``), and once by the plain path in float64 (``kernels="torch"``,
-``compute_dtype="float64"``),
-the reference. For every measure and reduction it reports the largest absolute error over
-layers, heads and tokens, and that error relative to the largest magnitude of the
-reduction (so token sums, which grow with the length, and entropies compare alike). Top
-values are compared by magnitude, the order they are ranked in (a signed measure's near
-ties of opposite sign may swap places).
+``compute_dtype="float64"``), the reference. For every measure and reduction it reports
+the largest absolute error over layers, heads and tokens, and that error relative to the
+largest magnitude of the reduction (so token sums, which grow with the length, and
+entropies compare alike). Top values are compared by magnitude, the order they are ranked
+in (a signed measure's near ties of opposite sign may swap places).
 
 On a CPU the kernels run in Triton's interpreter, which multiplies float32 numbers: the
 tf32 and bf16 rows are then the rounding of the operands alone (the kernels round them as
@@ -34,8 +33,9 @@ import os
 import time
 from pathlib import Path
 
+from contribution_weights.defaults import KERNEL_PRECISIONS as PRECISIONS  # light: no torch
+
 FIELDS = ("token_sums", "row_sum", "first", "entropy", "entropy_excl_first", "top_values")
-PRECISIONS = ("ieee", "tf32", "bf16")
 
 
 def errors(reference, other) -> dict[str, dict[str, float]]:
@@ -50,7 +50,7 @@ def errors(reference, other) -> dict[str, dict[str, float]]:
             x, y = x.double(), y.double()
             if field == "top_values":  # ranked by magnitude: near ties of ± weights may swap
                 x, y = x.abs(), y.abs()
-            err = float((x.double() - y).abs().max())
+            err = float((x - y).abs().max())
             scale = float(y.abs().max()) or 1.0
             out.setdefault(name, {})[field] = err
             out[name][f"{field}_rel"] = err / scale

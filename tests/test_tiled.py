@@ -172,44 +172,17 @@ def test_tile_sizes_triton_cannot_use_are_refused():
 
 
 COMPILE = """
-import sys, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from contribution_weights.measures import triton_kernels as tk
+from contribution_weights.measures.tiled import compile_offline as build, slot_flags
 
 kernels = tk.build()
-INTS = {"START", "STOP", "KEY_LO", "KEY_HI", "QUERY_LO", "QUERY_HI", "TOP_I"}
-OPERANDS = {"Q", "K", "V", "BACK", "LEFT"}
-
-
-def signature(fn, constants):
-    sig = {}
-    for name in fn.arg_names:
-        if name in constants:
-            sig[name] = "constexpr"
-        elif name.isupper():
-            bf16 = constants.get("DOT") == 2 and name in OPERANDS
-            sig[name] = "*i32" if name in INTS else "*bf16" if bf16 else "*fp32"
-        else:
-            sig[name] = "fp32" if name in ("scaling", "softcap") else "i32"
-    return sig
-
-
-def build(fn, constants):
-    src = ASTSource(fn, signature(fn, constants), constants)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32))
-
-
-ALL = [0, 1, 2, 4, 5, 6, -1, -1]  # the default measures' kernel slots
+ALL = [0, 1, 2, 4, 5, 6]  # the default measures' kernel numbers
 for d, tile in ((128, 32), (64, 64)):  # the tiles measures/tiled.py picks for those heads
     tiles = dict(BLOCK_M=tile, BLOCK_N=tile, BLOCK_D=d)
     build(kernels.forward, dict(SOFTCAP=d == 128, **tiles))
-    for slots, top, dot in ((ALL, 8, 0), ([1, 7, 3, -1, -1, -1, -1, -1], 0, 1), (ALL, 5, 2)):
-        used = set(slots)
+    for numbers, top, dot in ((ALL, 8, 0), ([1, 7, 3], 0, 1), (ALL, 5, 2)):
         flags = dict(
-            ALPHA=bool(used & {0, 1, 2, 5, 6, 7}), P=bool(used & {1, 3, 4, 7}), PH=2 in used,
-            VNORM=bool(used & {4, 5, 6}), ONORM=bool(used & {4, 6}), SOFTCAP=dot == 1,
-            DOT=dot, INTERPRET=False, **{f"M{i}": m for i, m in enumerate(slots)}, **tiles,
+            **slot_flags(numbers, tk.SLOTS), SOFTCAP=dot == 1, DOT=dot, INTERPRET=False, **tiles
         )
         pad = 1 << max(0, top - 1).bit_length() if top else 1
         build(kernels.rows, dict(TOPK=top, TOPK_PAD=pad, **flags))

@@ -38,8 +38,10 @@ import math
 import os
 import sys
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -298,7 +300,6 @@ class TiledLayer:
         g, t_k = self.k.shape[:2]
         dev = self.q.device
         numbers = [MEASURES[n] for n in group]
-        used = set(numbers)
         weights = [get_measure(n).is_weight for n in group]
         k = top_k if any(weights) else 0
         rows = torch.empty(len(group), 5, h, t_q, dtype=torch.float32, device=dev)
@@ -306,13 +307,8 @@ class TiledLayer:
         top_w = torch.empty_like(top_a)
         top_i = torch.empty(len(group), h, t_q, max(k, 1), dtype=torch.int32, device=dev)
         cols = torch.empty(2 * len(group), h, t_k, dtype=torch.float32, device=dev)
-        const = {f"M{i}": (numbers[i] if i < len(numbers) else -1) for i in range(slots)}
+        const = slot_flags(numbers, slots)
         const.update(
-            ALPHA=bool(used & {0, 1, 2, 5, 6, 7}),
-            P=bool(used & {1, 3, 4, 7}),
-            PH=2 in used,
-            VNORM=bool(used & {4, 5, 6}),
-            ONORM=bool(used & {4, 6}),
             SOFTCAP=self.softcap is not None,
             DOT=PRECISIONS[self.precision],
             INTERPRET=self.interpret,
@@ -358,6 +354,57 @@ class TiledLayer:
                 (top_i[slot].gather(-1, order).long(), top_w[slot].gather(-1, order)),
             )
         return out
+
+
+def slot_flags(numbers: Sequence[int], slots: int) -> dict[str, int | bool]:
+    """The compile-time switches of the ``rows`` and ``cols`` kernels for measures of these
+    numbers (:data:`MEASURES`): the slots ``M0 …`` (-1 where empty) and which per-tile
+    quantities they read (α, p, p^(h), ‖ṽ_j‖, ‖o_i‖), so that no tile computes one that
+    none of them needs."""
+    used = set(numbers)
+    flags: dict[str, int | bool] = {
+        f"M{i}": (numbers[i] if i < len(numbers) else -1) for i in range(slots)
+    }
+    flags.update(
+        ALPHA=bool(used & {0, 1, 2, 5, 6, 7}),
+        P=bool(used & {1, 3, 4, 7}),
+        PH=2 in used,
+        VNORM=bool(used & {4, 5, 6}),
+        ONORM=bool(used & {4, 6}),
+    )
+    return flags
+
+
+#: the kernels' integer arrays and the operands ``"bf16"`` reads in bfloat16 (the rest of
+#: their capitalised arguments are float32 arrays, lower-case ones scalars)
+_INT_ARRAYS = frozenset({"START", "STOP", "KEY_LO", "KEY_HI", "QUERY_LO", "QUERY_HI", "TOP_I"})
+_OPERANDS = frozenset({"Q", "K", "V", "BACK", "LEFT"})
+
+
+def compile_offline(fn: Any, constants: dict[str, Any], capability: int = 90) -> Any:
+    """Compile one of the kernels (``triton_kernels.build()``'s ``forward``, ``rows`` or
+    ``cols``) for an NVIDIA GPU of this compute capability without one present: Triton's
+    front end, its NVIDIA backend and the ptxas it ships. Needs a process in which triton
+    was imported without ``TRITON_INTERPRET``; the result's ``asm["ptx"]`` is what ptxas
+    reads (registers and spills: benchmarks/kernel_registers.py)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    bf16 = constants.get("DOT") == PRECISIONS["bf16"]
+    sig = {}
+    for name in fn.arg_names:
+        if name in constants:
+            sig[name] = "constexpr"
+        elif name.isupper():
+            sig[name] = (
+                "*i32" if name in _INT_ARRAYS else "*bf16" if bf16 and name in _OPERANDS
+                else "*fp32"
+            )  # fmt: skip
+        else:
+            sig[name] = "fp32" if name in ("scaling", "softcap") else "i32"
+    source = ASTSource(fn, sig, constants)
+    return triton.compile(source, target=GPUTarget("cuda", capability, 32))
 
 
 def round_tf32(x: Tensor) -> Tensor:
