@@ -1,0 +1,206 @@
+"""One capture session: its observers, optional intervention and per-layer bookkeeping, and
+the routing of each layer call to the eager recomputation, the tiled kernels or the
+model's own attention kernel."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from ..families import FamilySpec
+from ..measures.layer import split_output_weight
+from .edits import Intervention, _edit_of, _renormalised, _visible_mean
+from .layer import DEFAULT_BLOCK_BYTES, LayerBlock, LayerCall, rows_per_block
+
+
+class Observer(Protocol):
+    """Shown each block of queries of each layer it wants, as a :class:`LayerBlock`
+    (the same object for every observer of the block, valid during the call only).
+
+    Optional methods, looked up with ``getattr``: ``wants(layer_idx) -> bool`` (default:
+    every layer), ``skipped(call)``, called for a layer that ran without observation, and
+    ``query_rows(call) -> slice | None``: the only queries it needs to see (None: all).
+    When every observer of a layer names its rows, the layer runs on the model's own sdpa
+    kernel and only those rows' probabilities are computed, eagerly, for the observers.
+    ``tiled(call) -> bool`` and ``observe_layer(call) -> Tensor``: an observer that reduces
+    a whole layer from ``call``'s queries, keys and values, returning the head states
+    ``(H, T, d_h)``; when every observer of a layer says ``tiled``, no block is built.
+    """
+
+    def observe(self, view: LayerBlock) -> None: ...
+
+
+def _wants(observer: Observer, layer_idx: int) -> bool:
+    wants = getattr(observer, "wants", None)
+    return True if wants is None else bool(wants(layer_idx))
+
+
+@dataclass
+class CaptureSession:
+    """One capture: its observers, optional intervention, and per-layer bookkeeping."""
+
+    spec: FamilySpec
+    observers: Sequence[Observer] = ()
+    intervention: Intervention | None = None
+    block_bytes: int = DEFAULT_BLOCK_BYTES
+    layers_seen: list[int] = field(default_factory=list)
+    _weights: dict[tuple[int, torch.dtype], tuple[Tensor, Tensor | None, Tensor]] = field(
+        default_factory=dict
+    )
+
+    def output_projection(
+        self, call: LayerCall, dtype: torch.dtype
+    ) -> tuple[Tensor, Tensor | None, Tensor]:
+        key = (call.layer_idx, dtype)
+        if key not in self._weights:
+            weight, bias = self.spec.output_weight(call.module)
+            w_o = split_output_weight(weight.detach().to(call.query.device, dtype), call.num_heads)
+            b_o = None if bias is None else bias.detach().to(call.query.device, dtype)
+            gram = w_o.transpose(1, 2) @ w_o
+            self._weights[key] = (w_o, b_o, gram)
+        return self._weights[key]
+
+    def attend(self, call: LayerCall) -> Tensor:
+        self.layers_seen.append(call.layer_idx)
+        if (
+            self.intervention is None
+            and self.observers
+            and call.softcap is None
+            and not any(_wants(o, call.layer_idx) for o in self.observers)
+        ):
+            return self._unobserved(call)
+        tiled = self._tiled(call)
+        if tiled is not None:
+            return tiled
+        wanted = self._wanted_rows(call)
+        if wanted is not None:
+            return self._observed_rows(call, wanted)
+        blocks = call.row_blocks()
+        if self.intervention is not None and len(blocks) == 1:
+            # the intervention ranks tokens on this layer's probabilities: compute them once
+            # and let it read them (LayerCall.probs) instead of recomputing them
+            call.layer_probs = call.probs(blocks[0])
+        edit = _edit_of(self.intervention, call)
+        scale = None if edit is None else edit.scale
+        values = call._expanded(call.value)
+        if scale is not None:
+            # α·diag(s)·V = α·(s ⊙ V): scale the values (T·d) rather than the probabilities (T²)
+            values = values * scale[:, :, :, None].to(values.dtype)
+        replaced = None if edit is None else edit.replaced
+        kept_values = values
+        if replaced is not None:
+            kept_values = values.masked_fill(replaced[:, :, :, None], 0.0)
+        # observers that take blocks narrowed to their keys' span (``key_spans = True``)
+        # are shown only those keys, and nothing is computed for the keys outside it
+        narrow = (
+            call.layer_probs is None
+            and edit is None
+            and all(getattr(o, "key_spans", False) for o in self.observers)
+        )
+        outputs = []
+        for rows in blocks:
+            keys = call.key_span(rows) if narrow else None
+            if call.layer_probs is not None:
+                probs = call.layer_probs
+            else:
+                probs = call.probs(rows, keys=keys)
+            if edit is not None and edit.masked is not None:
+                probs = _renormalised(probs, edit.masked[:, :, None, :])
+            block = torch.matmul(probs, kept_values if keys is None else kept_values[:, :, keys])
+            if replaced is not None:
+                # α_ij · mean_i(v) for the replaced keys j: their weight times the mean
+                share = (probs * replaced[:, :, None, :].to(probs.dtype)).sum(-1, keepdim=True)
+                block = block + share * _visible_mean(call, rows, values)
+            if self.observers:
+                if scale is not None:  # observers see the probabilities actually used
+                    probs = probs * scale[:, :, None, :].to(probs.dtype)
+                # the block's α·v is the layer's own unless values were replaced
+                states = block if replaced is None else None
+                shown = LayerBlock(call, rows, probs, keys=keys, states=states)
+                try:
+                    for observer in self.observers:
+                        observer.observe(shown)
+                finally:
+                    shown.close()
+            outputs.append(block)
+        call.layer_probs = None
+        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+        return out.transpose(1, 2).contiguous()
+
+    def _tiled(self, call: LayerCall) -> Tensor | None:
+        """The layer for observers that reduce it whole from its queries, keys and values
+        (``observe_layer``, no probabilities built: the tiled kernels of
+        :mod:`~.measures.tiled`), when every observer of the layer can; else None. The
+        layer's output is the head states they computed, ``(B, T, H, d_h)``."""
+        if self.intervention is not None or not self.observers:
+            return None
+        watching = [o for o in self.observers if _wants(o, call.layer_idx)]
+        if not watching or not all(getattr(o, "tiled", _never)(call) for o in watching):
+            return None
+        states = [o.observe_layer(call) for o in watching]  # type: ignore[attr-defined]
+        return states[0].to(call.query.dtype)[None].transpose(1, 2).contiguous()
+
+    def _wanted_rows(self, call: LayerCall) -> slice | None:
+        """The queries the observers of this layer need, when every one of them names its
+        rows (``query_rows``) and nothing else needs the eager path; else None."""
+        if self.intervention is not None or call.softcap is not None or not self.observers:
+            return None
+        spans = []
+        for observer in self.observers:
+            if not _wants(observer, call.layer_idx):
+                continue
+            rows_of = getattr(observer, "query_rows", None)
+            rows = None if rows_of is None else rows_of(call)
+            if rows is None:
+                return None
+            spans.append(rows)
+        if not spans:
+            return None
+        start, stop = min(r.start for r in spans), max(r.stop for r in spans)
+        return slice(max(0, start), min(call.q_len, stop))
+
+    def _observed_rows(self, call: LayerCall, wanted: slice) -> Tensor:
+        """The layer on sdpa; the observers see eager probabilities of ``wanted`` only."""
+        out = self._sdpa(call)
+        step = max(1, rows_per_block(call.batch * call.num_heads, call.k_len, self.block_bytes))
+        for start in range(wanted.start, wanted.stop, step):
+            rows = slice(start, min(wanted.stop, start + step))
+            shown = LayerBlock(call, rows, call.probs(rows))
+            try:
+                for observer in self.observers:
+                    if _wants(observer, call.layer_idx):
+                        observer.observe(shown)
+            finally:
+                shown.close()
+        return out
+
+    def _sdpa(self, call: LayerCall) -> Tensor:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        out, _ = sdpa_attention_forward(
+            call.module,
+            call.query,
+            call.key,
+            call.value,
+            call.attention_mask,
+            dropout=0.0,
+            scaling=call.scaling,
+        )
+        return out
+
+    def _unobserved(self, call: LayerCall) -> Tensor:
+        """A layer nobody observes or changes: the model's own sdpa kernel."""
+        out = self._sdpa(call)
+        for observer in self.observers:
+            skipped = getattr(observer, "skipped", None)
+            if skipped is not None:
+                skipped(call)
+        return out
+
+
+def _never(call: LayerCall) -> bool:
+    return False
