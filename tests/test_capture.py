@@ -81,6 +81,28 @@ def test_logits_identical_to_eager(family_model):
     assert torch.equal(got, expected)
 
 
+def test_capture_with_nothing_to_observe_is_the_plain_forward(family_model):
+    """No observer, no intervention: every layer runs the model's own kernel, so the logits
+    are the plain forward's to the bit; kernel="eager" makes them eager's to the bit."""
+    model = family_model.model
+    ids = IDS[None]
+    with torch.no_grad():
+        plain = model(input_ids=ids, use_cache=False).logits
+    with torch.no_grad(), capturing(model) as session:
+        got = model(input_ids=ids, use_cache=False).logits
+    assert session.layers_seen == list(range(family_model.num_layers))
+    softcapped = getattr(model.config, "attn_logit_softcapping", None) is not None
+    if softcapped:  # sdpa has no soft-cap: those layers stay eager, as traced ones do
+        torch.testing.assert_close(got, plain, rtol=1e-4, atol=1e-5)
+    else:
+        assert torch.equal(got, plain)
+    with torch.no_grad(), capturing(model, kernel="eager"):
+        eager = model(input_ids=ids, use_cache=False).logits
+    assert torch.equal(eager, eager_logits(model, ids))
+    with pytest.raises(ValueError, match="kernel='flash'"), capturing(model, kernel="flash"):
+        pass
+
+
 def test_model_restored_even_after_an_exception(family_model):
     model = family_model.model
     before = model.config._attn_implementation

@@ -40,7 +40,7 @@ def check_exact(loaded: cw.LoadedModel, text: str, layers: list[int]) -> None:
     """Capture logits == eager logits, and every measure == the float64 reference."""
     ids = encode(loaded, text, None, False)
     run = eager_run(loaded.model, ids[None])
-    with torch.no_grad(), capturing(loaded.model):
+    with torch.no_grad(), capturing(loaded.model, kernel="eager"):
         logits = loaded.model(input_ids=ids[None], use_cache=False).logits
     assert torch.equal(logits, run.logits)
     tr = cw.trace(

@@ -9,8 +9,10 @@ previous implementation (sdpa, flash, eager…) in ``finally``.
 
 The function receives exactly what the model uses (queries and keys after RoPE and q/k
 norms, values per KV head, ``scaling``, ``softcap``, the mask with any sliding window,
-and the attention ``module``) and recomputes eager attention from them, so with capture
-on, logits are those of the model's own eager attention.
+and the attention ``module``). For a layer that is observed or changed it recomputes
+eager attention from them, so the observers see, and the logits come from, exactly the
+model's own eager attention; every other layer runs the model's own kernel (sdpa), so a
+capture with nothing to observe costs what the plain forward costs.
 
 Lifetimes. A :class:`CaptureSession` lives for one ``with capturing(...)`` block; it is
 found by the attention function through a context variable, so concurrent sessions in
@@ -31,8 +33,8 @@ other threads or tasks do not see each other. Per layer the function builds a
   done: at long context, half the keys of a causal layer and nearly all of a
   sliding-window one are skipped. An observer may say which layers it wants (``wants(layer_idx)``);
   a layer that no observer wants and that no intervention changes is sent to the
-  model's own sdpa kernel (``skipped(call)`` tells the observers), so tracing three
-  layers of thirty costs little more than a plain forward.
+  model's own kernel (``skipped(call)`` tells the observers; see :func:`capturing`), so
+  tracing three layers of thirty costs little more than a plain forward.
 
 Queries are processed in blocks (all at once when they fit in ``block_bytes``), so
 memory per layer stays bounded at long context and no ``(H, T, T)`` tensor outlives its
@@ -151,8 +153,16 @@ def capturing(
     observers: Sequence[Observer] = (),
     intervention: Intervention | None = None,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
+    kernel: str | None = None,
 ) -> Iterator[CaptureSession]:
     """Run ``model`` through the capture function inside the block; restore it after.
+
+    Layers that no observer wants and no intervention changes run on the model's own
+    kernel: sdpa, or eager for a model that was set to eager (a model on another kernel,
+    flash say, runs them on sdpa, the kernel the capture masks are made for); a layer with
+    a soft-cap runs eagerly, which sdpa cannot. ``kernel="eager"`` recomputes them eagerly
+    whatever the model uses, for callers that compare outputs of one capture with another
+    to the last bit.
 
     The model is put in eval mode for the block (dropout off) and given back in the
     attention implementation and train/eval mode it had.
@@ -160,10 +170,16 @@ def capturing(
     ensure_registered()
     config: Any = model.config
     spec = family_for(config)
-    session = CaptureSession(
-        spec=spec, observers=observers, intervention=intervention, block_bytes=block_bytes
-    )
     previous = config._attn_implementation
+    if kernel not in (None, "eager", "sdpa"):
+        raise ValueError(f"kernel={kernel!r}: use None (the model's own), 'sdpa' or 'eager'")
+    session = CaptureSession(
+        spec=spec,
+        observers=observers,
+        intervention=intervention,
+        block_bytes=block_bytes,
+        kernel=kernel or ("eager" if previous == "eager" else "sdpa"),
+    )
     was_training = model.training
     token = _ACTIVE.set(session)
     try:

@@ -47,6 +47,10 @@ class CaptureSession:
     observers: Sequence[Observer] = ()
     intervention: Intervention | None = None
     block_bytes: int = DEFAULT_BLOCK_BYTES
+    #: the kernel of layers that nobody observes or changes: "sdpa" (the model's own, or
+    #: the one our masks are made for when the model used another) or "eager" (our eager
+    #: recomputation, bitwise the model's eager forward and the observed layers' arithmetic)
+    kernel: str = "sdpa"
     layers_seen: list[int] = field(default_factory=list)
     _weights: dict[tuple[int, torch.dtype], tuple[Tensor, Tensor | None, Tensor]] = field(
         default_factory=dict
@@ -66,12 +70,7 @@ class CaptureSession:
 
     def attend(self, call: LayerCall) -> Tensor:
         self.layers_seen.append(call.layer_idx)
-        if (
-            self.intervention is None
-            and self.observers
-            and call.softcap is None
-            and not any(_wants(o, call.layer_idx) for o in self.observers)
-        ):
+        if self._untraced(call):
             return self._unobserved(call)
         tiled = self._tiled(call)
         if tiled is not None:
@@ -130,6 +129,17 @@ class CaptureSession:
         call.layer_probs = None
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
         return out.transpose(1, 2).contiguous()
+
+    def _untraced(self, call: LayerCall) -> bool:
+        """Whether the layer runs on the model's own kernel: no intervention, no observer
+        wants it (or there are none), and sdpa can compute it (no soft-cap) exactly as the
+        model's forward does (the session's kernel is not eager)."""
+        return (
+            self.intervention is None
+            and call.softcap is None
+            and self.kernel != "eager"
+            and not any(_wants(o, call.layer_idx) for o in self.observers)
+        )
 
     def _tiled(self, call: LayerCall) -> Tensor | None:
         """The layer for observers that reduce it whole from its queries, keys and values

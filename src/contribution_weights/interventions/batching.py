@@ -76,7 +76,9 @@ def _forward(
     with (
         torch.no_grad(),
         intervention as scale,
-        capturing(model.model, intervention=scale) as session,
+        # eager for unchanged batches too: every configuration and the clean text on
+        # one arithmetic, so a difference is the intervention's alone
+        capturing(model.model, intervention=scale, kernel="eager") as session,
     ):
         keep = model.last_logits_only() if last else {}
         logits = model.model(input_ids=ids, use_cache=False, **keep).logits
