@@ -288,7 +288,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     (args.out / "bench_gpu.md").write_text("\n".join(lines) + "\n")
     (args.out / "bench_gpu.json").write_text(
-        json.dumps({"machine": machine, "results": results}, indent=2)
+        json.dumps(
+            {"machine": machine, "layers": model.config.num_hidden_layers, "results": results},
+            indent=2,
+        )
     )
     print("\n".join(lines))
     return 0

@@ -78,3 +78,38 @@ def test_bench_kv_runs_a_random_shape_on_cpu(tmp_path):
         [sys.executable, str(script), "--layers", "2"], capture_output=True, text=True, timeout=120
     )
     assert bad.returncode == 2 and "go with --shape" in bad.stderr
+
+
+def test_gpu_summary_tables_every_case_against_its_baseline_and_target(tmp_path):
+    """benchmarks/gpu_summary.py on the committed H200 run: each case's ratio is its wall
+    time over the baseline of the same file, the target is judged, a missing step is named."""
+    summary = load_benchmark("gpu_summary")
+    run = Path(__file__).resolve().parents[1] / "docs" / "results" / "gpu-h200-2026-12-04"
+    missing = tmp_path / "whole" / "bench_gpu.json"
+    code = summary.main(
+        [
+            "--kv",
+            str(run / "run2-bench_kv.json"),
+            "--trace",
+            str(run / "run2-bench_gpu.json"),
+            "--trace",
+            str(missing),
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    assert code == 0
+    result = json.loads((tmp_path / "summary.json").read_text())
+    assert result["missing"] == [str(missing)]
+    rows = {(r["case"], r["tokens"]): r for r in result["rows"]}
+    kv = json.loads((run / "run2-bench_kv.json").read_text())["rows"][1]
+    capture = rows[("capture, no observer", 32768)]
+    assert capture["layers"] == 2 and capture["target"] == 1.1 and capture["meets"] is False
+    assert capture["ratio"] == round(kv["capture_s"] / kv["prefill_s"], 2)
+    traced = json.loads((run / "run2-bench_gpu.json").read_text())["results"]
+    sdpa = next(r["seconds"] for r in traced if r["method"] == "sdpa")
+    triton = next(r["seconds"] for r in traced if r["method"] == "no-maps-triton")
+    assert rows[("trace no-maps-triton", 8192)]["ratio"] == round(triton / sdpa, 2)
+    assert ("trace sdpa", 8192) not in rows
+    text = (tmp_path / "summary.md").read_text()
+    assert "| capture, no observer | 32768 | 2 |" in text and str(missing) in text
