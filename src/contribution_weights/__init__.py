@@ -12,8 +12,9 @@ Quick start::
 Layout: each layer imports only from the layers before it (checked, lazy imports inside
 functions included, by ``tests/test_layering.py``):
 
-0. ``registry`` (the one registry type for everything found by name) and ``defaults``
-   (the names and defaults the command line shows): pure Python, they import nothing;
+0. ``registry`` (the one registry type for everything found by name), ``defaults``
+   (the names and defaults the command line shows) and ``generated`` (the docs' tables
+   copied from run folders): pure Python, they import nothing;
 1. ``measures`` (pure maths), ``families`` (model families as data), ``runs`` (run
    folders), ``data`` (evaluation data), ``progress``, ``tracing.storage`` (where a
    trace's maps live: memory or per-layer shards on disk), ``tracing.folder`` (one

@@ -1,0 +1,45 @@
+"""The README's and docs' marked tables are what their run folders' files give."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from contribution_weights import generated
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_every_marked_table_matches_its_run():
+    assert "docs/results/bench-trace/bench_trace-smollm2-t1.md" in generated.sources(REPO)
+    assert generated.stale(REPO) == [], "rerun `cw results` and commit the pages it rewrote"
+
+
+def _repo(tmp_path: Path, table: str) -> Path:
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    (tmp_path / "docs" / "results" / "run.md").write_text(
+        "Machine: x\n\n| a | b |\n| --- | ---: |\n| one | 1.50 |\n"
+    )
+    (tmp_path / "README.md").write_text(
+        "# t\n\nText.\n\n<!-- generated: docs/results/run.md -->\n"
+        f"{table}<!-- end generated -->\n\nMore text.\n"
+    )
+    return tmp_path
+
+
+def test_a_table_typed_beside_its_run_is_found_and_rewritten(tmp_path):
+    repo = _repo(tmp_path, "| a | b |\n| --- | ---: |\n| one | 1.49 |\n")  # a typed-in 1.49
+    assert generated.stale(repo) == [repo / "README.md"]
+    assert generated.refresh(repo) == [repo / "README.md"]
+    text = (repo / "README.md").read_text()
+    assert "| one | 1.50 |" in text and "1.49" not in text and text.endswith("More text.\n")
+    assert "Machine" not in text  # the table only, not the file's other lines
+    assert generated.stale(repo) == [] and generated.refresh(repo) == []
+
+
+def test_a_block_naming_a_missing_file_says_which(tmp_path):
+    repo = _repo(tmp_path, "")
+    (repo / "docs" / "results" / "run.md").unlink()
+    with pytest.raises(generated.GeneratedError, match=r"run\.md: no such file"):
+        generated.stale(repo)
