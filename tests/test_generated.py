@@ -22,7 +22,7 @@ def _repo(tmp_path: Path, table: str) -> Path:
         "Machine: x\n\n| a | b |\n| --- | ---: |\n| one | 1.50 |\n"
     )
     (tmp_path / "README.md").write_text(
-        "# t\n\nText.\n\n<!-- generated: docs/results/run.md -->\n"
+        "# t\n\nText.\n\n<!-- generated: docs/results/run.md (table) -->\n"
         f"{table}<!-- end generated -->\n\nMore text.\n"
     )
     return tmp_path
@@ -43,3 +43,13 @@ def test_a_block_naming_a_missing_file_says_which(tmp_path):
     (repo / "docs" / "results" / "run.md").unlink()
     with pytest.raises(generated.GeneratedError, match=r"run\.md: no such file"):
         generated.stale(repo)
+
+
+def test_a_whole_file_block_and_the_handwritten_count(tmp_path):
+    repo = _repo(tmp_path, "")
+    page = repo / "docs" / "page.md"
+    page.write_text("# p\n<!-- generated: docs/results/run.md -->\nold\n<!-- end generated -->\n")
+    assert generated.refresh(repo) == [repo / "README.md", page]
+    text = page.read_text()
+    assert "Machine: x\n\n| a | b |" in text  # the whole file, its header included
+    assert generated.handwritten_lines(text) == 3

@@ -1,15 +1,18 @@
 """Tables in the README and docs that are copies of what a run wrote, kept in step with it.
 
-A page marks such a table with two comments around it::
+A page marks such a block with two comments around it::
 
-    <!-- generated: docs/results/bench-trace/bench_trace-smollm2-t1.md -->
-    | T | method | ... |
+    <!-- generated: docs/results/kv-eval-smollm2-512/tables.md -->
+    ...the file's text...
     <!-- end generated -->
 
-and the lines between them are the Markdown table of that file (its lines that start with
-``|``; a ``.md`` file a run wrote, relative to the repository). :func:`refresh` rewrites
-each block from its file; :func:`stale` names the blocks that differ from theirs, which a
-test checks, so no number in a marked table is typed by hand or drifts from its run.
+and the lines between them are that file's text (a ``.md`` file a run wrote, relative to
+the repository); ``<!-- generated: PATH (table) -->`` takes only its Markdown table (the
+lines that start with ``|``), leaving out a header such as the machine line of a
+benchmark. :func:`refresh` rewrites each block from its file; :func:`stale` names the
+pages whose blocks differ from their files, which a test checks, so no number in a marked
+block is typed by hand or drifts from its run. :func:`handwritten_lines` counts a page's
+lines outside its blocks (the docs' budget of hand-written text).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import re
 from pathlib import Path
 
 _BLOCK = re.compile(
-    r"(?P<open><!-- generated: (?P<source>[^ ]+) -->\n)(?P<body>.*?)"
+    r"(?P<open><!-- generated: (?P<source>[^ ]+)(?P<table> \(table\))? -->\n)(?P<body>.*?)"
     r"(?P<close><!-- end generated -->)",
     re.S,
 )
@@ -28,11 +31,15 @@ class GeneratedError(ValueError):
     """A marked block names a file that does not exist or holds no table."""
 
 
-def table_of(source: Path) -> str:
-    """The Markdown table of a run's ``.md`` file: its lines that start with ``|``."""
+def text_of(source: Path, table: bool = False) -> str:
+    """A run's ``.md`` file as a block holds it: its text (ending in one newline), or with
+    ``table`` only its Markdown table, the lines that start with ``|``."""
     if not source.is_file():
         raise GeneratedError(f"{source}: no such file (the block's `generated:` names it)")
-    rows = [line for line in source.read_text().splitlines() if line.startswith("|")]
+    text = source.read_text()
+    if not table:
+        return text.rstrip("\n") + "\n"
+    rows = [line for line in text.splitlines() if line.startswith("|")]
     if not rows:
         raise GeneratedError(f"{source} holds no Markdown table")
     return "\n".join(rows) + "\n"
@@ -42,8 +49,8 @@ def rendered(text: str, repo: Path) -> str:
     """``text`` with every marked block rewritten from its file."""
 
     def fill(match: re.Match[str]) -> str:
-        table = table_of(repo / match["source"])
-        return match["open"] + table + match["close"]
+        body = text_of(repo / match["source"], table=match["table"] is not None)
+        return match["open"] + body + match["close"]
 
     return _BLOCK.sub(fill, text)
 
@@ -70,3 +77,8 @@ def refresh(repo: Path) -> list[Path]:
     for page in changed:
         page.write_text(rendered(page.read_text(), repo))
     return changed
+
+
+def handwritten_lines(text: str) -> int:
+    """Lines of ``text`` outside its generated blocks (the markers count as written)."""
+    return len(_BLOCK.sub(lambda m: m["open"] + m["close"], text).splitlines())
