@@ -53,3 +53,27 @@ def test_a_whole_file_block_and_the_handwritten_count(tmp_path):
     text = page.read_text()
     assert "Machine: x\n\n| a | b |" in text  # the whole file, its header included
     assert generated.handwritten_lines(text) == 3
+
+
+def test_a_csv_block_is_its_rows_as_a_table(tmp_path):
+    repo = _repo(tmp_path, "")
+    (repo / "docs" / "results" / "summary.csv").write_text(
+        "measure,n,nll_mean\nattention,32,0.123456789\nihc,32,-1.5e-05\n"
+    )
+    page = repo / "docs" / "page.md"
+    page.write_text(
+        "<!-- generated: docs/results/summary.csv columns=measure,nll_mean -->\n"
+        "<!-- end generated -->\n"
+    )
+    generated.refresh(repo)
+    assert page.read_text().splitlines()[1:-1] == [
+        "| measure | nll_mean |",
+        "| --- | ---: |",
+        "| attention | 0.1235 |",
+        "| ihc | -1.5e-05 |",
+    ]
+    page.write_text(
+        "<!-- generated: docs/results/summary.csv columns=nope -->\n<!-- end generated -->\n"
+    )
+    with pytest.raises(generated.GeneratedError, match="no column nope"):
+        generated.refresh(repo)

@@ -9,7 +9,9 @@ A page marks such a block with two comments around it::
 and the lines between them are that file's text (a ``.md`` file a run wrote, relative to
 the repository); ``<!-- generated: PATH (table) -->`` takes only its Markdown table (the
 lines that start with ``|``), leaving out a header such as the machine line of a
-benchmark. :func:`refresh` rewrites each block from its file; :func:`stale` names the
+benchmark. A ``.csv`` file (a run's summary) becomes a Markdown table of its rows, numbers
+to four significant digits; ``<!-- generated: PATH.csv columns=a,b,c -->`` keeps those
+columns, in that order. :func:`refresh` rewrites each block from its file; :func:`stale` names the
 pages whose blocks differ from their files, which a test checks, so no number in a marked
 block is typed by hand or drifts from its run. :func:`handwritten_lines` counts a page's
 lines outside its blocks (the docs' budget of hand-written text).
@@ -17,11 +19,14 @@ lines outside its blocks (the docs' budget of hand-written text).
 
 from __future__ import annotations
 
+import csv
+import io
 import re
 from pathlib import Path
 
 _BLOCK = re.compile(
-    r"(?P<open><!-- generated: (?P<source>[^ ]+)(?P<table> \(table\))? -->\n)(?P<body>.*?)"
+    r"(?P<open><!-- generated: (?P<source>[^ ]+)(?P<table> \(table\))?"
+    r"(?: columns=(?P<columns>[^ ]+))? -->\n)(?P<body>.*?)"
     r"(?P<close><!-- end generated -->)",
     re.S,
 )
@@ -31,11 +36,47 @@ class GeneratedError(ValueError):
     """A marked block names a file that does not exist or holds no table."""
 
 
-def text_of(source: Path, table: bool = False) -> str:
+def _cell(value: str) -> str:
+    try:
+        number = float(value)
+    except ValueError:
+        return value.replace("|", "\\|")
+    if value.strip().lstrip("-").isdigit():
+        return value
+    return f"{number:.4g}"
+
+
+def csv_table(source: Path, columns: list[str] | None = None) -> str:
+    """A CSV file's rows as a Markdown table (``columns``: those, in that order)."""
+    rows = list(csv.DictReader(io.StringIO(source.read_text())))
+    names = columns or (list(rows[0]) if rows else [])
+    if not rows or not names:
+        raise GeneratedError(f"{source} holds no rows")
+    missing = [name for name in names if name not in rows[0]]
+    if missing:
+        raise GeneratedError(f"{source} has no column {', '.join(missing)}; it has {list(rows[0])}")
+    numeric = [all(_is_number(row[name]) for row in rows) for name in names]
+    lines = ["| " + " | ".join(names) + " |"]
+    lines.append("| " + " | ".join("---:" if n else "---" for n in numeric) + " |")
+    lines += ["| " + " | ".join(_cell(row[name]) for name in names) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _is_number(value: str) -> bool:
+    try:
+        float(value)
+    except ValueError:
+        return False
+    return True
+
+
+def text_of(source: Path, table: bool = False, columns: list[str] | None = None) -> str:
     """A run's ``.md`` file as a block holds it: its text (ending in one newline), or with
     ``table`` only its Markdown table, the lines that start with ``|``."""
     if not source.is_file():
         raise GeneratedError(f"{source}: no such file (the block's `generated:` names it)")
+    if source.suffix == ".csv":
+        return csv_table(source, columns)
     text = source.read_text()
     if not table:
         return text.rstrip("\n") + "\n"
@@ -49,7 +90,8 @@ def rendered(text: str, repo: Path) -> str:
     """``text`` with every marked block rewritten from its file."""
 
     def fill(match: re.Match[str]) -> str:
-        body = text_of(repo / match["source"], table=match["table"] is not None)
+        columns = match["columns"].split(",") if match["columns"] else None
+        body = text_of(repo / match["source"], match["table"] is not None, columns)
         return match["open"] + body + match["close"]
 
     return _BLOCK.sub(fill, text)
@@ -82,3 +124,28 @@ def refresh(repo: Path) -> list[Path]:
 def handwritten_lines(text: str) -> int:
     """Lines of ``text`` outside its generated blocks (the markers count as written)."""
     return len(_BLOCK.sub(lambda m: m["open"] + m["close"], text).splitlines())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m contribution_weights.generated [--check] [REPO]``: rewrite the stale
+    blocks (or with ``--check`` only name them, exit 1 if any) of the repository REPO
+    (default: the current folder)."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    check = "--check" in args
+    rest = [a for a in args if a != "--check"]
+    repo = Path(rest[0]) if rest else Path.cwd()
+    try:
+        pages_ = stale(repo) if check else refresh(repo)
+    except GeneratedError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    verb = "stale" if check else "rewritten"
+    for page in pages_:
+        print(f"{verb}: {page}")
+    return 1 if check and pages_ else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
