@@ -43,18 +43,16 @@ differences: no in-context example for vt, the word lists are this module's own,
 haystack of every haystack task is FineWeb-Edu rather than Paul Graham's essays or
 repeated sentences, and cwe's frequencies scale with the length (30 and 3 at 4,096).
 
-The modules: :mod:`.tasks` (the tasks' parameters, templates and word lists, and
-:class:`RulerItem`), :mod:`.haystack` (tokens, the chat frame, the haystack and its
-needles), :mod:`.generator` (:class:`RulerGenerator`, the items) and :mod:`.scoring`
-(generation on a compressed cache and RULER's metric).
+The modules: :mod:`.items` (:class:`RulerItem`, the checks of a task's and a setting's
+name), :mod:`.haystack` (tokens, the chat frame, the haystack and its needles),
+:mod:`.generator` (the tasks' parameters, templates and word lists, and
+:class:`RulerGenerator`) and :mod:`.scoring` (generation on a compressed cache and RULER's
+metric).
 """
 
 from __future__ import annotations
 
-from .generator import RulerGenerator, ruler_item, ruler_items
-from .haystack import Haystack, chat_frame
-from .scoring import ruler_score, ruler_scores, string_match_all
-from .tasks import (
+from .generator import (
     ADJECTIVES,
     CWE_ANSWER,
     CWE_AT,
@@ -82,11 +80,13 @@ from .tasks import (
     VT_INTRO,
     VT_QUESTION,
     WORDS,
-    RulerError,
-    RulerItem,
-    check_setting,
-    check_task,
+    RulerGenerator,
+    ruler_item,
+    ruler_items,
 )
+from .haystack import Haystack, chat_frame
+from .items import RulerError, RulerItem, check_setting, check_task
+from .scoring import ruler_score, ruler_scores, string_match_all
 
 __all__ = [
     "ADJECTIVES",

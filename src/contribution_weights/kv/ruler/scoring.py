@@ -11,7 +11,7 @@ import torch
 from ...loading import LoadedModel
 from ..cache import CompressedCache, stack_caches
 from .haystack import _decode
-from .tasks import RulerItem
+from .items import RulerItem
 
 
 def string_match_all(output: str, answers: Sequence[str]) -> float:
