@@ -305,11 +305,15 @@ def _press_classes() -> tuple[type, type]:
     scorer_press: Any = kvpress.ScorerPress
     base_press: Any = kvpress.BasePress
 
+    @dataclass
     class _MethodMixin:
-        method: Method
-        window: int
-        seed: int
-        compression_ratio: float
+        """What both presses share: their fields, the method's statistics of a layer, and
+        :meth:`compress` (kvpress's hook on every attention layer)."""
+
+        compression_ratio: float = 0.0
+        method: Any = "contribution"
+        window: int = WINDOW
+        seed: int = 0
 
         def _check(self) -> None:
             self.method = get_method(self.method)
@@ -344,14 +348,41 @@ def _press_classes() -> tuple[type, type]:
         def kept(self, keys: Tensor) -> int:
             return int(compute_n_kept(keys.shape[2], self.compression_ratio))
 
+        def compress(
+            self,
+            module: Any,
+            hidden_states: Tensor,
+            keys: Tensor,
+            values: Tensor,
+            attentions: Tensor | None,
+            kwargs: dict,
+        ) -> tuple[Tensor, Tensor]:
+            """A sliding-window layer stays whole (our prefill skips them too). A scorer
+            press has kvpress's ScorerPress evict by :meth:`score`; the head-adaptive press
+            keeps every entry and hands kvpress the evicted ones to mask."""
+            if is_sliding(module):
+                return keys, values
+            if isinstance(self, scorer_press):
+                return scorer_press.compress(
+                    self, module, hidden_states, keys, values, attentions, kwargs
+                )
+            if self.compression_ratio == 0:
+                return keys, values
+            if module.config._attn_implementation == "eager":
+                raise ValueError(
+                    f"{self.method.name!r} masks evicted entries through kvpress's attention "
+                    "patch, which eager attention bypasses: load the model with "
+                    "attn_implementation='sdpa' (as kvpress's AdaKVPress requires)"
+                )
+            stats = self.stats(module, hidden_states, keys, values, kwargs)
+            keep = self.method.kept_mask(stats, self.kept(keys))
+            batch, head, seq = (~keep).nonzero(as_tuple=True)
+            module.masked_key_indices = (batch, head, seq)
+            return keys, values
+
     @dataclass
     class MethodPress(_MethodMixin, scorer_press):
         """A contribution-weights KV method as a kvpress ScorerPress."""
-
-        compression_ratio: float = 0.0
-        method: Any = "contribution"
-        window: int = WINDOW
-        seed: int = 0
 
         def __post_init__(self) -> None:
             super().__post_init__()
@@ -374,56 +405,17 @@ def _press_classes() -> tuple[type, type]:
             stats = self.stats(module, hidden_states, keys, values, kwargs)
             return self.method.score_for_budget(stats, self.kept(keys))
 
-        def compress(
-            self,
-            module: Any,
-            hidden_states: Tensor,
-            keys: Tensor,
-            values: Tensor,
-            attentions: Tensor | None,
-            kwargs: dict,
-        ) -> tuple[Tensor, Tensor]:
-            if is_sliding(module):
-                return keys, values
-            return super().compress(module, hidden_states, keys, values, attentions, kwargs)
-
     @dataclass
     class HeadAdaptiveMethodPress(_MethodMixin, base_press):
         """A head-adaptive contribution-weights KV method (AdaKV) as a kvpress press: the
         evicted entries are masked (kvpress's fake keys), not removed."""
 
-        compression_ratio: float = 0.0
         method: Any = "adakv_contribution"
-        window: int = WINDOW
-        seed: int = 0
 
         def __post_init__(self) -> None:
             if not 0 <= self.compression_ratio < 1:
                 raise ValueError("compression_ratio must lie in [0, 1)")
             self._check()
-
-        def compress(
-            self,
-            module: Any,
-            hidden_states: Tensor,
-            keys: Tensor,
-            values: Tensor,
-            attentions: Tensor | None,
-            kwargs: dict,
-        ) -> tuple[Tensor, Tensor]:
-            if self.compression_ratio == 0 or is_sliding(module):
-                return keys, values
-            if module.config._attn_implementation == "eager":
-                raise ValueError(
-                    f"{self.method.name!r} masks evicted entries through kvpress's attention "
-                    "patch, which eager attention bypasses: load the model with "
-                    "attn_implementation='sdpa' (as kvpress's AdaKVPress requires)"
-                )
-            stats = self.stats(module, hidden_states, keys, values, kwargs)
-            keep = self.method.kept_mask(stats, self.kept(keys))
-            batch, head, seq = (~keep).nonzero(as_tuple=True)
-            module.masked_key_indices = (batch, head, seq)
-            return keys, values
 
     for cls in (MethodPress, HeadAdaptiveMethodPress):
         cls.__module__ = __name__

@@ -1,64 +1,19 @@
-"""Long-context tasks in the manner of RULER (Hsieh et al., 2024), generated from a seed.
-
-Seven tasks, each item a prompt of exactly ``length`` tokens and the answers it asks for:
-
-* ``niah_single``: one needle "One of the special magic numbers for KEY is: VALUE." (KEY an
-  adjective-noun pair, VALUE 7 digits) in a haystack of FineWeb-Edu text; asked: KEY.
-* ``niah_multikey``: four needles with four keys; one is asked, three are distractors.
-* ``niah_multivalue``: four needles with the same key and four values; all four are asked.
-* ``niah_multiquery``: four needles with four keys; all four keys are asked.
-* ``vt`` (variable tracking): "VAR A = 12345.", "VAR B = VAR A.", … five variables in a chain,
-  the statements spread over a FineWeb-Edu haystack; asked: every variable equal to 12345.
-* ``cwe`` (common words): a numbered list of words in which ten words occur many times
-  (30 at 4,096 tokens) and the others a few times (3); asked: the ten most common.
-* ``fwe`` (frequent words): a stream of made-up "coded" words whose counts follow a Zipf
-  law (α = 2; the most frequent is the noise "....", to be ignored); asked: the three most
-  frequent words.
-
-The haystack is real text, never repeated filler: an item starts at a seeded text and takes
-consecutive texts, sentence by sentence, until the length is filled, the last sentence cut
-at a token. Needles go between sentences, at the boundary nearest their depth (the
-fraction of the haystack before them). Every piece (the template's parts, each sentence,
-each needle, each list entry) is tokenised on its own and the pieces' ids concatenated,
-so a needle's ids are exactly those of its text, and the length is exact: the haystack is
-cut to the tokens left (cwe and fwe, which have no haystack, pad the last few tokens with
-newlines). A needle whose ids do not decode back to its text is an error.
-
-A prompt is ``context`` (the model's chat template's start when its tokenizer has one, the
-instruction, the haystack), ``question`` and ``answer_prefix`` (the chat template's
-assistant turn and the start of the answer, e.g. "The special magic numbers for KEY
-mentioned in the provided text are"). The two settings of kvpress:
-
-* ``query_agnostic``: ``context`` is prefilled and compressed; the question and the answer
-  prefix are fed after compression, so compression cannot know what will be asked.
-* ``query_aware``: ``context`` and ``question`` are prefilled (the question sits in the
-  observation window) and compressed; the answer prefix is fed after compression.
-
-Scoring (RULER's ``string_match_all``): the model generates greedily after the answer
-prefix (at most twice the answer's tokens plus 4); an item scores the share of its
-expected answers found, case-insensitively, in the generated text (0 or 1 for one answer).
-
-Templates follow RULER's in spirit (its wording, its task parameters at 4,096 tokens);
-differences: no in-context example for vt, the word lists are this module's own, the
-haystack of every haystack task is FineWeb-Edu rather than Paul Graham's essays or
-repeated sentences, and cwe's frequencies scale with the length (30 and 3 at 4,096).
-"""
+"""The generator of the RULER-like items: the tasks' parameters, templates and word lists,
+and :class:`RulerGenerator`, an item of any task from a seed for one tokenizer and
+haystack."""
 
 from __future__ import annotations
 
 import math
 import random
-import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor
 
-from ..defaults import RULER_SETTINGS, RULER_TASKS
-from ..loading import LoadedModel
-from .cache import CompressedCache, stack_caches
+from ...loading import LoadedModel
+from .haystack import Haystack, _decode, _ids, _with_needles, chat_frame
+from .items import RulerError, RulerItem, check_task
 
 #: the needle depths of niah_single, dealt in turn over the items (passkey's scheme)
 DEPTHS = tuple(round(0.05 + 0.1 * k, 2) for k in range(10))
@@ -143,171 +98,6 @@ NOUNS = tuple(_NOUNS.split())
 ADJECTIVES = tuple(_ADJECTIVES.split())
 #: the words of cwe's lists
 WORDS = tuple(dict.fromkeys(NOUNS + ADJECTIVES))
-
-_SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\s*\n+\s*")
-
-
-class RulerError(ValueError):
-    """An item cannot be made as asked (length too short, haystack too small, …)."""
-
-
-@dataclass(frozen=True)
-class RulerItem:
-    """One item: ``context`` + ``question`` + ``answer_prefix`` is the whole prompt.
-
-    Attributes:
-        task: one of :data:`~..defaults.RULER_TASKS`.
-        context: ``(1, c)`` ids: chat start, instruction, haystack with the needles.
-        question: ``(1, q)`` ids: prefilled in ``query_aware``, fed after in ``query_agnostic``.
-        answer_prefix: ``(1, a)`` ids: the chat template's assistant turn and the start of
-            the answer; always fed after compression.
-        answers: the strings a correct answer contains.
-        max_new_tokens: tokens generated after the answer prefix.
-        meta: how the item was made: ``depths`` of the needles, ``depth`` of the (first)
-            asked needle, keys, values, the counts of cwe and fwe, ``seed``.
-    """
-
-    task: str
-    context: Tensor
-    question: Tensor
-    answer_prefix: Tensor
-    answers: tuple[str, ...]
-    max_new_tokens: int
-    meta: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def length(self) -> int:
-        return int(self.context.shape[1] + self.question.shape[1] + self.answer_prefix.shape[1])
-
-    def prompt(self) -> Tensor:
-        """``(1, length)``: the whole prompt."""
-        return torch.cat([self.context, self.question, self.answer_prefix], dim=1)
-
-    def prefill_ids(self, setting: str) -> Tensor:
-        """What is prefilled and compressed in ``setting``."""
-        check_setting(setting)
-        if setting == "query_aware":
-            return torch.cat([self.context, self.question], dim=1)
-        return self.context
-
-    def fed_ids(self, setting: str) -> Tensor:
-        """What is fed on the compressed cache before generating, in ``setting``."""
-        check_setting(setting)
-        if setting == "query_aware":
-            return self.answer_prefix
-        return torch.cat([self.question, self.answer_prefix], dim=1)
-
-
-def check_setting(setting: str) -> str:
-    if setting not in RULER_SETTINGS:
-        raise ValueError(f"unknown setting {setting!r}; choose from {', '.join(RULER_SETTINGS)}")
-    return setting
-
-
-def check_task(task: str) -> str:
-    if task not in RULER_TASKS:
-        raise ValueError(f"unknown RULER task {task!r}; choose from {', '.join(RULER_TASKS)}")
-    return task
-
-
-# ---- tokens ------------------------------------------------------------------------------
-def _ids(tokenizer: Any, text: str) -> list[int]:
-    return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
-
-
-def _decode(tokenizer: Any, ids: Sequence[int]) -> str:
-    try:
-        return str(tokenizer.decode(list(ids), skip_special_tokens=True))
-    except TypeError:  # a minimal tokenizer without the keyword
-        return str(tokenizer.decode(list(ids)))
-
-
-def chat_frame(tokenizer: Any, chat: bool | None = None) -> tuple[list[int], list[int]]:
-    """(start, end) ids around the user's message: the chat template's, when the tokenizer
-    has one (and ``chat`` is not False), else the tokenizer's own special start (BOS) and
-    nothing."""
-    template = getattr(tokenizer, "chat_template", None)
-    if chat is not False and template and hasattr(tokenizer, "apply_chat_template"):
-        mark = "\x00MESSAGE\x00"
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": mark}], tokenize=False, add_generation_prompt=True
-        )
-        if isinstance(text, str) and text.count(mark) == 1:
-            head, tail = text.split(mark)
-            return _ids(tokenizer, head), _ids(tokenizer, tail)
-        if chat:
-            raise RulerError("the tokenizer's chat template does not hold a user message")
-    elif chat:
-        raise RulerError("the tokenizer has no chat template")
-    return [int(i) for i in tokenizer("", add_special_tokens=True)["input_ids"]], []
-
-
-class Haystack:
-    """Texts cut into sentences, each tokenised once (with its leading space, or newline at
-    the start of a text): the haystack of every item made from it."""
-
-    def __init__(self, texts: Sequence[str], tokenizer: Any) -> None:
-        self.texts = [t for t in texts if t.strip()]
-        if not self.texts:
-            raise RulerError("the haystack needs at least one non-empty text (FineWeb-Edu)")
-        self.tokenizer = tokenizer
-        self._pieces: dict[int, list[list[int]]] = {}
-
-    def sentences(self, doc: int) -> list[str]:
-        parts = (" ".join(s.split()) for s in _SENTENCE_END.split(self.texts[doc].strip()))
-        return [p for p in parts if p]
-
-    def pieces(self, doc: int) -> list[list[int]]:
-        if doc not in self._pieces:
-            sentences = self.sentences(doc)
-            self._pieces[doc] = [
-                _ids(self.tokenizer, ("\n" if k == 0 else " ") + s) for k, s in enumerate(sentences)
-            ]
-        return self._pieces[doc]
-
-    def take(self, start: int, tokens: int) -> tuple[list[list[int]], list[int]]:
-        """Sentences from text ``start`` on (each text at most once) holding ``tokens``
-        tokens, the last one cut; and the texts used."""
-        out: list[list[int]] = []
-        used: list[int] = []
-        have = 0
-        for k in range(len(self.texts)):
-            doc = (start + k) % len(self.texts)
-            used.append(doc)
-            for piece in self.pieces(doc):
-                if have + len(piece) >= tokens:
-                    out.append(piece[: tokens - have])
-                    return out, used
-                out.append(piece)
-                have += len(piece)
-        raise RulerError(
-            f"the haystack texts hold {have} tokens, fewer than the {tokens} an item needs; "
-            "give more texts (FineWeb-Edu)"
-        )
-
-
-def _with_needles(
-    pieces: list[list[int]], needles: Sequence[tuple[float, list[int]]]
-) -> tuple[list[int], list[float]]:
-    """The haystack's ids with each needle at the sentence boundary nearest its depth; and
-    the depths they landed at (fraction of the haystack before them)."""
-    total = sum(len(p) for p in pieces)
-    bounds = [(0, 0)]  # (tokens before, piece index): before each piece; the cut one stays last
-    for k, p in enumerate(pieces[:-1]):
-        bounds.append((bounds[-1][0] + len(p), k + 1))
-    at: dict[int, list[list[int]]] = {}
-    landed = []
-    for depth, ids in needles:
-        target = depth * total
-        pos, k = min(bounds, key=lambda b: (abs(b[0] - target), b[0]))
-        at.setdefault(k, []).append(ids)
-        landed.append(round(pos / total, 4) if total else 0.0)
-    out: list[int] = []
-    for k, piece in enumerate(pieces):
-        for ids in at.get(k, []):
-            out.extend(ids)
-        out.extend(piece)
-    return out, landed
 
 
 # ---- the generator -----------------------------------------------------------------------
@@ -590,42 +380,3 @@ def ruler_items(
     """``n`` items of each task in turn (task 0's n items, then task 1's, …)."""
     generator = RulerGenerator(model.tokenizer, texts)
     return [generator.item(task, seed, length, j) for task in tasks for j in range(n)]
-
-
-# ---- scoring -----------------------------------------------------------------------------
-def string_match_all(output: str, answers: Sequence[str]) -> float:
-    """RULER's metric: the share of ``answers`` found (case-insensitive) in ``output``."""
-    text = output.lower()
-    return sum(a.lower() in text for a in answers) / len(answers) if answers else 0.0
-
-
-def ruler_score(
-    model: LoadedModel, cache: CompressedCache, item: RulerItem, setting: str
-) -> dict[str, Any]:
-    """Greedy generation on the compressed cache after the setting's fed ids; the accuracy
-    (:func:`string_match_all`) and the generated text."""
-    return ruler_scores(model, [cache], item, setting)[0]
-
-
-def ruler_scores(
-    model: LoadedModel, caches: Sequence[CompressedCache], item: RulerItem, setting: str
-) -> list[dict[str, Any]]:
-    """:func:`ruler_score` for several compressed caches of one prefill at once: stacked as
-    the rows of one batch (:func:`~.cache.stack_caches`), generated together, each row cut
-    at its first end-of-sequence token as its own generation would have stopped there."""
-    fed = item.fed_ids(setting).to(model.model.device)
-    kwargs: dict[str, Any] = {"max_new_tokens": item.max_new_tokens, "do_sample": False}
-    config = getattr(model.model, "generation_config", None)
-    eos = None if config is None else config.eos_token_id
-    stops = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    if config is not None and config.pad_token_id is None:
-        kwargs["pad_token_id"] = (eos[0] if isinstance(eos, list) else eos) or 0
-    stacked = stack_caches(caches)
-    with torch.no_grad():
-        out = stacked.generate(model.model, fed.expand(len(caches), -1), **kwargs)
-    scores = []
-    for row in out[:, fed.shape[1] :].tolist():
-        end = next((k + 1 for k, token in enumerate(row) if token in stops), len(row))
-        output = _decode(model.tokenizer, row[:end]).strip()
-        scores.append({"accuracy": string_match_all(output, item.answers), "output": output})
-    return scores
