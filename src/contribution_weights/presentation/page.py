@@ -1,7 +1,7 @@
 """What every self-contained HTML page of the package shares: its packaged assets, JSON
-safe inside a ``<script>``, the chunk tag a report embeds its data in, and the filling of
-a template's placeholders. Below :mod:`.report`, :mod:`.long_report` and
-:mod:`.attribution_html`, which all build pages with it."""
+safe inside a ``<script>``, the chunk tag a report embeds its data in, the filling of
+a template's placeholders, and reading a written page's JSON back. Below :mod:`.report`,
+:mod:`.long_report` and :mod:`.attribution_html`, which all build pages with it."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 import re
 from collections.abc import Callable, Mapping
 from importlib.resources import files
+from pathlib import Path
 from typing import Any
 
 #: one embedded, compressed chunk of a report's data
@@ -40,3 +41,19 @@ def estimate_bytes(
     known = [layer_bytes(x) for x in encoded]
     mean = sum(known) / len(known) if known else 0.0
     return sum(layer_bytes(x) if x in encoded else mean for x in layers)
+
+
+def page_text(source: str | Path) -> str:
+    """A page's HTML: ``source`` itself when it is HTML text, else the file it names."""
+    text = str(source)
+    if "<html" not in text[:2000].lower():
+        text = Path(source).read_text("utf-8")
+    return text
+
+
+def json_script(text: str, script_id: str) -> str | None:
+    """The content of the page's ``<script type="application/json" id="SCRIPT_ID">``, or
+    None when it has none."""
+    pattern = rf'<script type="application/json" id="{re.escape(script_id)}">(.*?)</script>'
+    found = re.search(pattern, text, re.S)
+    return None if found is None else found.group(1)
