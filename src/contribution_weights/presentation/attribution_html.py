@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..attribution.result import Attribution
-from .page import asset, fill, json_for_script, json_script, page_text
+from .page import PAGE_CSP, asset, fill, json_for_script, json_script, page_text, styles
 
 FORMAT_VERSION = 1
 DATA_ID = "cw-attribution"
@@ -143,6 +143,7 @@ def build_attribution_html(result: Attribution, *, title: str | None = None) -> 
         f"methods {methods}" + ("" if result.routes is not None else " · no routes")
     )
     parts = {
+        "__CW_CSP__": PAGE_CSP,
         "__CW_TITLE__": html.escape(title),
         "__CW_SUBTITLE__": html.escape(subtitle),
         "__CW_OUTPUTS_HEADING__": "Outputs" if several else "Target",
@@ -153,7 +154,7 @@ def build_attribution_html(result: Attribution, *, title: str | None = None) -> 
         ),
         "__CW_OUTPUTS__": outputs,
         "__CW_TOKENS__": tokens,
-        "/*__CW_CSS__*/": asset("attribution.css"),
+        "/*__CW_CSS__*/": styles("attribution.css"),
         "//__CW_JS__": asset("attribution.js"),
         "__CW_DATA__": json_for_script(data),
     }

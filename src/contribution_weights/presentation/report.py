@@ -30,7 +30,7 @@ import numpy as np
 
 from ..measures.registry import get_measure
 from ..progress import status
-from .page import CHUNK_TAG, asset, fill, json_for_script
+from .page import CHUNK_TAG, REPORT_CSP, asset, fill, json_for_script, styles
 from .report_data import (  # DEFAULT_*: light, for `cw report --help` before torch
     DEFAULT_MAX_BYTES,
     DEFAULT_MEASURES,
@@ -155,9 +155,10 @@ def _render(
 ) -> str:
     meta = {**meta, "chunks": {f"{c.measure}/{c.layer}": c.script_id for c, _ in chunks}}
     parts = {
+        "__CW_CSP__": REPORT_CSP,
         "__CW_TITLE__": html.escape(title),
         "__CW_BODY_CLASS__": "compact" if compact else "full",
-        "/*__CW_CSS__*/": asset("report.css"),
+        "/*__CW_CSS__*/": styles("report.css"),
         "//__CW_JS__": "\n".join(
             asset(n) for n in ("report_data.js", "report_chart.js", "report.js")
         ),
