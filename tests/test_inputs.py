@@ -213,7 +213,8 @@ def test_token_strings_on_a_byte_level_tokenizer(kind):
 def test_token_strings_on_smollm2(kind):
     from transformers import AutoTokenizer
 
-    from contribution_weights.loading import EMBEDDED, _dequantise_to_cache
+    from contribution_weights.loading import EMBEDDED
+    from contribution_weights.loading.reading import _dequantise_to_cache
 
     folder = _dequantise_to_cache(EMBEDDED["smollm2"][1]())  # cached after the first load
     tokenizer = AutoTokenizer.from_pretrained(str(folder))

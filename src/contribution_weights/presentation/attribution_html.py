@@ -19,12 +19,11 @@ from __future__ import annotations
 import html
 import json
 import math
-import re
 from pathlib import Path
 from typing import Any
 
 from ..attribution.result import Attribution
-from .page import asset, fill, json_for_script
+from .page import PAGE_CSP, asset, fill, json_for_script, json_script, page_text, styles
 
 FORMAT_VERSION = 1
 DATA_ID = "cw-attribution"
@@ -35,7 +34,9 @@ def _num(value: float) -> float | None:
     return float(f"{value:.6g}") if math.isfinite(value) else None
 
 
-def _note(result: Attribution, name: str, k: int) -> str:
+def method_note(result: Attribution, name: str, k: int) -> str:
+    """The note under a method's scores for target ``k``: the value it decomposes, its
+    remainder and its time, where known (the page and the figures show the same)."""
     parts = []
     explained = result.explained.get(name)
     if explained is not None and k < len(explained) and math.isfinite(explained[k]):
@@ -97,7 +98,9 @@ def page_data(result: Attribution, title: str) -> dict[str, Any]:
         "methods": result.methods,
         "targets": targets,
         "scores": scores,
-        "notes": {m: [_note(result, m, k) for k in range(len(targets))] for m in result.methods},
+        "notes": {
+            m: [method_note(result, m, k) for k in range(len(targets))] for m in result.methods
+        },
         "routes": routes,
     }
 
@@ -140,6 +143,7 @@ def build_attribution_html(result: Attribution, *, title: str | None = None) -> 
         f"methods {methods}" + ("" if result.routes is not None else " · no routes")
     )
     parts = {
+        "__CW_CSP__": PAGE_CSP,
         "__CW_TITLE__": html.escape(title),
         "__CW_SUBTITLE__": html.escape(subtitle),
         "__CW_OUTPUTS_HEADING__": "Outputs" if several else "Target",
@@ -150,7 +154,7 @@ def build_attribution_html(result: Attribution, *, title: str | None = None) -> 
         ),
         "__CW_OUTPUTS__": outputs,
         "__CW_TOKENS__": tokens,
-        "/*__CW_CSS__*/": asset("attribution.css"),
+        "/*__CW_CSS__*/": styles("attribution.css"),
         "//__CW_JS__": asset("attribution.js"),
         "__CW_DATA__": json_for_script(data),
     }
@@ -177,11 +181,8 @@ def write_attribution_html(
 def read_attribution_html(source: str | Path) -> dict[str, Any]:
     """The data embedded in a page written by :func:`write_attribution_html` (a path, or
     the HTML text itself)."""
-    text = str(source)
-    if "<html" not in text[:2000].lower():
-        text = Path(source).read_text("utf-8")
-    found = re.search(rf'<script type="application/json" id="{DATA_ID}">(.*?)</script>', text, re.S)
+    found = json_script(page_text(source), DATA_ID)
     if found is None:
         raise ValueError("this HTML holds no attribution data (no #cw-attribution element)")
-    data: dict[str, Any] = json.loads(found.group(1))
+    data: dict[str, Any] = json.loads(found)
     return data

@@ -28,6 +28,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Rectangle
 
 from ..attribution.result import Attribution, Routes
+from .attribution_html import method_note
 from .figures import MASKED, _signed_sqrt_norm, register_figure, save, token_label
 
 ALL_LABELS_UP_TO = 60  # texts up to this many tokens get every token on the axis
@@ -85,19 +86,6 @@ def _limit(values: np.ndarray) -> float:
     finite = np.abs(values[np.isfinite(values)])
     top = float(finite.max()) if finite.size else 0.0
     return top if top > 0 else 1.0
-
-
-def _method_note(result: Attribution, name: str, k: int) -> str:
-    parts = []
-    explained = result.explained.get(name)
-    if explained is not None and k < len(explained) and math.isfinite(explained[k]):
-        parts.append(f"decomposes {explained[k]:.4g}")
-        remainder = result.remainder.get(name)
-        if remainder is not None and math.isfinite(remainder[k]):
-            parts.append(f"remainder {remainder[k]:.2g}")
-    if name in result.seconds:
-        parts.append(f"{result.seconds[name]:.2f} s")
-    return "; ".join(parts)
 
 
 def _quiet_layout(fig: Figure, **kwargs: Any) -> None:
@@ -179,7 +167,7 @@ def attribution_figure(
         ax = axes[r][0]
         im = _strip(ax, row, 0, t, cmap, norm)
         ax.set_ylabel(name, rotation=0, ha="right", va="center", fontsize=9)
-        note = _method_note(result, name, k)
+        note = method_note(result, name, k)
         ax.set_title(
             f"{name}: max |score| {limit:.3g}" + (f"  ({note})" if note else ""),
             fontsize=8,

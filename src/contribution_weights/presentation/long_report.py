@@ -45,7 +45,7 @@ import torch
 
 from ..measures.aggregates import normalised
 from ..progress import bar
-from .page import CHUNK_TAG, asset, estimate_bytes, fill, json_for_script
+from .page import CHUNK_TAG, REPORT_CSP, asset, estimate_bytes, fill, json_for_script, styles
 from .report_data import b64, page_data
 
 if TYPE_CHECKING:
@@ -243,8 +243,9 @@ def resolve_window(trace: Trace, window: tuple[int, int] | None) -> tuple[int, i
 
 def render_long(meta: dict[str, Any], chunks: dict[str, str], title: str) -> str:
     parts = {
+        "__CW_CSP__": REPORT_CSP,
         "__CW_TITLE__": html.escape(title),
-        "/*__CW_CSS__*/": asset("report.css") + asset("long_report.css"),
+        "/*__CW_CSS__*/": styles("report.css", "long_report.css"),
         "//__CW_JS__": "\n".join(
             asset(n) for n in ("report_data.js", "report_chart.js", "long_report.js")
         ),

@@ -22,34 +22,47 @@ from __future__ import annotations
 
 import base64
 import html
-import warnings
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 import numpy as np
-import torch
 
-from ..fields import int_ranges
 from ..measures.registry import get_measure
-from ..progress import bar, status
-from .page import CHUNK_TAG, asset, estimate_bytes, fill, json_for_script
+from ..progress import status
+from .page import CHUNK_TAG, REPORT_CSP, asset, fill, json_for_script, styles
 from .report_data import (  # DEFAULT_*: light, for `cw report --help` before torch
     DEFAULT_MAX_BYTES,
     DEFAULT_MEASURES,
     ChunkInfo,
-    b64,
     check_precision,
     decode_chunk,
-    encode_chunk,
     page_data,
     rounding_note,
 )
+from .report_encoder import FullEncoder, declared_signed, measure_meta
+from .report_fit import ReportInfo, ReportSizeWarning, dropped_note, finish_page
 
 if TYPE_CHECKING:
     from ..tracing.result import Trace
-    from .long_report import LongEncoder
+
+__all__ = [
+    "LONG_TEXT_TOKENS",
+    "NOTEBOOK_MAX_BYTES",
+    "NO_MAPS_MESSAGE",
+    "VIEWS",
+    "EmbeddedReport",
+    "ReportInfo",
+    "ReportOptions",
+    "ReportSizeWarning",
+    "build_report",
+    "notebook_html",
+    "read_report",
+    "resolve_view",
+    "traced_measures",
+    "view_defaults",
+    "write_report",
+]
 
 VIEWS = ("auto", "full", "long")
 
@@ -69,24 +82,6 @@ NO_MAPS_MESSAGE = (
     'measures=["attention", "contribution"], out=DIR, storage_dtype="float16") for a long '
     "text (maps streamed to disk, in half the space), and write that trace's report"
 )
-
-
-class ReportSizeWarning(UserWarning):
-    """The report left out layers to stay under its size limit."""
-
-
-@dataclass
-class ReportInfo:
-    """What :func:`write_report` embedded, and where."""
-
-    path: Path | None
-    size_bytes: int
-    measures: list[str]
-    layers: list[int]
-    dropped_layers: list[int]
-    precision: str
-    warnings: list[str] = field(default_factory=list)
-    view: str = "full"
 
 
 def traced_measures() -> list[str]:
@@ -132,31 +127,6 @@ def _resolve_measures(
     return names
 
 
-def _evenly_spaced(items: list[int], k: int) -> list[int]:
-    """``k`` items spread evenly over ``items``, first and last included (k ≥ 2)."""
-    if k >= len(items):
-        return list(items)
-    if k == 1:
-        return [items[len(items) // 2]]
-    idx = np.round(np.linspace(0, len(items) - 1, k)).astype(int)
-    return [items[i] for i in idx]
-
-
-def _declared_signed(name: str) -> bool:
-    try:
-        return bool(get_measure(name).signed)
-    except ValueError:
-        return False
-
-
-def _measure_meta(name: str, signed: bool) -> dict[str, Any]:
-    try:
-        m = get_measure(name)
-        return {"description": m.description, "signed": signed, "weight": m.is_weight}
-    except ValueError:
-        return {"description": name, "signed": signed, "weight": False}
-
-
 def _finite(x: float) -> float | None:
     return float(x) if np.isfinite(x) else None
 
@@ -180,189 +150,15 @@ def _summary_tables(trace: Trace) -> tuple[dict[str, Any], dict[str, Any]]:
     return table, chart
 
 
-class _Encoder:
-    """The chunks of a report, each encoded on first use, so that most layers left out
-    for size are never encoded (the mean-over-layers chunks are always needed).
-
-    Maps are read one (layer, head) at a time, ``trace[name][layer_pos, head]``, so a
-    trace whose tensors stay on disk is never loaded whole."""
-
-    def __init__(
-        self, trace: Trace, names: list[str], precision: str, progress: bool, n_layers: int
-    ):
-        self.trace, self.names, self.precision = trace, names, precision
-        self.num_heads = trace.num_heads
-        traced = len(trace.layers)
-        self.bar = bar(
-            total=len(names) * (traced + n_layers + 1),
-            desc="report: encoding",
-            unit="step",
-            disable=not progress,
-        )
-        self._layers: dict[int, list[tuple[ChunkInfo, str]]] = {}
-        self.signed: dict[str, bool] = {}
-        sums = {}
-        for name in names:  # one pass over every traced layer: signs and the layer mean
-            total: np.ndarray | None = None
-            negative = False
-            for pos in range(traced):
-                block = self.block(name, pos)
-                negative = negative or bool((block < 0).any())
-                total = block.astype(np.float64) if total is None else total + block
-                self.bar.update()
-            self.signed[name] = _declared_signed(name) or negative
-            sums[name] = total
-        self.mean_chunks = []
-        for k, name in enumerate(names):
-            total = sums.pop(name)
-            assert total is not None
-            mean = np.concatenate([total / traced, total.sum(0, keepdims=True) / traced])
-            self.mean_chunks.append(self._chunk(k, name, "mean", mean))
-
-    def block(self, name: str, pos: int) -> np.ndarray:
-        """``(H, T, T)`` float32 of one traced layer, read head by head."""
-        values = self.trace[name]
-        return np.stack(
-            [
-                values[pos, h].detach().to("cpu", torch.float32).numpy()
-                for h in range(self.num_heads)
-            ]
-        )
-
-    def _chunk(self, k: int, name: str, layer: str, blocks: np.ndarray) -> tuple[ChunkInfo, str]:
-        text = b64(encode_chunk(blocks, self.precision, self.signed[name]))
-        self.bar.update()
-        return ChunkInfo(name, layer, f"cw-c{k}-{layer}", len(text)), text
-
-    def layer(self, layer: int) -> list[tuple[ChunkInfo, str]]:
-        """One chunk per measure for a model layer: its H heads and their sum."""
-        if layer not in self._layers:
-            pos = self.trace.layer_position(layer)
-            chunks = []
-            for k, name in enumerate(self.names):
-                block = self.block(name, pos)
-                blocks = np.concatenate([block, block.sum(0, keepdims=True, dtype=np.float64)])
-                chunks.append(self._chunk(k, name, str(layer), blocks))
-            self._layers[layer] = chunks
-        return self._layers[layer]
-
-    def layer_bytes(self, layer: int) -> int:
-        """Exact bytes a layer adds to the page (encodes it if needed)."""
-        return sum(
-            len(CHUNK_TAG) + len(info.script_id) + info.compressed_bytes
-            for info, _ in self.layer(layer)
-        )
-
-    def estimate(self, layers: list[int]) -> float:
-        return estimate_bytes(self.layer_bytes, list(self._layers), layers)
-
-    def close(self) -> None:
-        self.bar.total = self.bar.n  # layers left out were never encoded
-        self.bar.refresh()
-        self.bar.close()
-
-
-def _choose_layers(
-    enc: _Encoder | LongEncoder,
-    wanted: list[int],
-    max_bytes: int,
-    page_for: Callable[[list[int]], str],
-) -> tuple[list[int], str] | None:
-    """The most evenly spaced layers whose page fits in ``max_bytes``, and that page.
-
-    Every candidate that is checked is rendered and measured exactly; an estimate from
-    the layers encoded so far only skips candidates that are clearly too large, so most
-    layers that do not make it into the file are never encoded.
-    """
-    base = len(page_for([]).encode())
-    enc.layer(wanted[-1])
-    for k in range(len(wanted), 0, -1):
-        candidate = _evenly_spaced(wanted, k)
-        # layers differ (sliding-window layers compress far better than global ones),
-        # so only an estimate twice over the limit is trusted to rule a candidate out
-        if base + enc.estimate(candidate) > 2 * max_bytes:
-            continue
-        page = page_for(candidate)
-        if len(page.encode()) <= max_bytes:
-            return candidate, page
-    return None
-
-
-def _fit_layers(
-    enc: _Encoder | LongEncoder,
-    wanted: list[int],
-    max_bytes: int | None,
-    page_for: Callable[[list[int]], str],
-) -> tuple[list[int], str]:
-    """Every wanted layer without a limit, else :func:`_choose_layers`'s choice, or an
-    error that says by how much one layer is over."""
-    if max_bytes is None:
-        return wanted, page_for(wanted)
-    found = _choose_layers(enc, wanted, max_bytes, page_for)
-    if found is None:
-        enc.close()
-        one = len(page_for([]).encode()) + min(enc.layer_bytes(x) for x in wanted[-1:])
-        raise ValueError(
-            f"even one layer makes the report larger than max_bytes={max_bytes:,} "
-            f"(about {_mib(one)}); raise max_bytes (CLI: --max-bytes), embed "
-            "fewer measures, or trace a shorter text"
-        )
-    return found
-
-
-def _dropped_note(
-    wanted: list[int], chosen: list[int], max_bytes: int | None, extra: str = ""
-) -> list[str]:
-    """The page's note on the layers left out for size (none when all fit)."""
-    if chosen == wanted or max_bytes is None:
-        return []
-    dropped = [layer for layer in wanted if layer not in chosen]
-    return [
-        f"All {len(wanted)} layers would not fit the limit of "
-        f"{max_bytes / 2**20:.1f} MiB: embedded {len(chosen)} evenly spaced layers "
-        f"({', '.join(map(str, chosen))}); left out {int_ranges(dropped)}. {extra}"
-        "Raise max_bytes (cw report --max-bytes), pick layers, or embed fewer measures."
-    ]
-
-
-def _finish(
-    enc: _Encoder | LongEncoder,
-    wanted: list[int],
-    max_bytes: int | None,
-    page_for: Callable[[list[int]], str],
-    notes_for: Callable[[list[int]], list[str]],
-    names: list[str],
-    precision: str,
-    view: str,
-) -> tuple[str, ReportInfo]:
-    """Both views' last step: the layers that fit, the page, a warning for those left out
-    (the last note), and what was embedded."""
-    chosen, page = _fit_layers(enc, wanted, max_bytes, page_for)
-    enc.close()
-    notes = notes_for(chosen)
-    if chosen != wanted:
-        warnings.warn(ReportSizeWarning(notes[-1]), stacklevel=4)
-    info = ReportInfo(
-        path=None,
-        size_bytes=len(page.encode()),
-        measures=names,
-        layers=list(chosen),
-        dropped_layers=[layer for layer in wanted if layer not in chosen],
-        precision=precision,
-        warnings=notes,
-        view=view,
-    )
-    return page, info
-
-
 def _render(
     meta: dict[str, Any], chunks: list[tuple[ChunkInfo, str]], title: str, compact: bool
 ) -> str:
     meta = {**meta, "chunks": {f"{c.measure}/{c.layer}": c.script_id for c, _ in chunks}}
     parts = {
+        "__CW_CSP__": REPORT_CSP,
         "__CW_TITLE__": html.escape(title),
         "__CW_BODY_CLASS__": "compact" if compact else "full",
-        "/*__CW_CSS__*/": asset("report.css"),
+        "/*__CW_CSS__*/": styles("report.css"),
         "//__CW_JS__": "\n".join(
             asset(n) for n in ("report_data.js", "report_chart.js", "report.js")
         ),
@@ -404,7 +200,7 @@ def build_report(
         return _build_long(trace, names, wanted, max_bytes, title, progress, window)
     with status("report: summary (first-token weight, entropy)", enabled=progress):
         table, chart = _summary_tables(trace)
-    enc = _Encoder(trace, names, precision, progress, len(wanted))
+    enc = FullEncoder(trace, names, precision, progress, len(wanted))
     title = title or f"Contribution weights · {trace.model_name or 'trace'}"
     meta: dict[str, Any] = {
         "version": FORMAT_VERSION,
@@ -418,7 +214,7 @@ def build_report(
         "traced_layers": list(trace.layers),
         "num_model_layers": trace.meta.get("num_layers", len(trace.layers)),
         "measure_order": names,
-        "measures": {n: _measure_meta(n, enc.signed[n]) for n in names},
+        "measures": {n: measure_meta(n, enc.signed[n]) for n in names},
         "precision": precision,
         "rounding": rounding_note(precision, [n for n in names if enc.signed[n]]),
         "summary": table,
@@ -440,12 +236,12 @@ def build_report(
     mean_note = f"'Mean over layers' still averages all {len(trace.layers)} traced layers. "
 
     def notes_for(chosen: list[int]) -> list[str]:
-        return _dropped_note(wanted, chosen, max_bytes, mean_note)
+        return dropped_note(wanted, chosen, max_bytes, mean_note)
 
     def page_for(chosen: list[int]) -> str:
         return render(chosen, notes_for(chosen))
 
-    return _finish(enc, wanted, max_bytes, page_for, notes_for, names, precision, "full")
+    return finish_page(enc, wanted, max_bytes, page_for, notes_for, names, precision, "full")
 
 
 def resolve_view(trace: Trace, view: str) -> str:
@@ -491,7 +287,7 @@ def _build_long(
     for name in names:
         r = trace.kept_reductions(name)
         values = (r.token_sums, r.first, r.top_values)
-        signed[name] = _declared_signed(name) or any(
+        signed[name] = declared_signed(name) or any(
             v is not None and bool((v < 0).any()) for v in values
         )
     with status("report: summary (first-token weight, entropy)", enabled=progress):
@@ -508,7 +304,7 @@ def _build_long(
         "num_heads": trace.num_heads,
         "traced_layers": list(trace.layers),
         "measure_order": names,
-        "measures": {n: _measure_meta(n, signed[n]) for n in names},
+        "measures": {n: measure_meta(n, signed[n]) for n in names},
         "window": None if span is None else list(span),
         "key_bins": min(trace.num_tokens, KEY_BINS),
         "default_window": DEFAULT_WINDOW,
@@ -524,7 +320,7 @@ def _build_long(
                 "This trace holds no maps (traced with maps=False / --no-maps): the page "
                 "shows the per-token views, without the query × key window."
             )
-        return notes + _dropped_note(wanted, chosen, limit)
+        return notes + dropped_note(wanted, chosen, limit)
 
     def page_for(chosen: list[int]) -> str:
         chunks: dict[str, str] = {}
@@ -532,23 +328,25 @@ def _build_long(
             chunks.update(enc.layer(layer))
         return render_long({**meta, "layers": chosen, "warnings": notes_for(chosen)}, chunks, title)
 
-    return _finish(enc, wanted, limit, page_for, notes_for, names, "uint8", "long")
+    return finish_page(enc, wanted, limit, page_for, notes_for, names, "uint8", "long")
 
 
-def write_report(
-    trace: Trace,
-    path: str | Path,
-    *,
-    measures: str | list[str] | tuple[str, ...] | None = None,
-    layers: list[int] | None = None,
-    max_bytes: int | None = DEFAULT_MAX_BYTES,
-    precision: str = "uint8",
-    compact: bool = False,
-    title: str | None = None,
-    progress: bool = True,
-    view: str = "auto",
-    window: tuple[int, int] | None = None,
-) -> ReportInfo:
+class ReportOptions(TypedDict, total=False):
+    """The keywords :func:`write_report` passes on to :func:`build_report` (their
+    defaults are :func:`build_report`'s)."""
+
+    measures: str | list[str] | tuple[str, ...] | None
+    layers: list[int] | None
+    max_bytes: int | None
+    precision: str
+    compact: bool
+    title: str | None
+    progress: bool
+    view: str
+    window: tuple[int, int] | None
+
+
+def write_report(trace: Trace, path: str | Path, **options: Unpack[ReportOptions]) -> ReportInfo:
     """Write the interactive report of ``trace`` as one self-contained HTML file.
 
     Args:
@@ -569,18 +367,7 @@ def write_report(
         window: the long view's queries ``(start, stop)`` whose maps are embedded
             (default: the last 128).
     """
-    page, info = build_report(
-        trace,
-        measures=measures,
-        layers=layers,
-        max_bytes=max_bytes,
-        precision=precision,
-        compact=compact,
-        title=title,
-        progress=progress,
-        view=view,
-        window=window,
-    )
+    page, info = build_report(trace, **options)
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(page, encoding="utf-8")
@@ -621,8 +408,3 @@ def read_report(source: str | Path) -> EmbeddedReport:
         signed = meta["measures"][measure]["signed"]
         values[(measure, layer)] = decode_chunk(raw, meta["precision"], signed, k, t)
     return EmbeddedReport(meta, values)
-
-
-def _mib(size: int) -> str:
-    """A size in MiB as a message shows it (small ones in KiB, never "0.0 MiB")."""
-    return f"{size / 2**20:.1f} MiB" if size >= 2**19 else f"{max(1, round(size / 2**10))} KiB"

@@ -35,6 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from .page import json_script, page_text
+
 PRECISIONS = ("uint8", "float16")
 #: what a report embeds by default, and its size limit (here, not in report.py: the
 #: command line shows them before importing torch)
@@ -174,11 +176,9 @@ class ChunkInfo:
 def page_data(source: str | Path) -> tuple[dict[str, Any], dict[str, str]]:
     """A report page's metadata and its chunks (script id -> base64 text), from a path or
     the HTML text itself."""
-    text = str(source)
-    if "<html" not in text[:2000].lower():
-        text = Path(source).read_text("utf-8")
-    found = re.search(r'<script type="application/json" id="cw-meta">(.*?)</script>', text, re.S)
+    text = page_text(source)
+    found = json_script(text, "cw-meta")
     if found is None:
         raise ValueError("this HTML holds no contribution-weights report data (no cw-meta)")
     blobs = re.findall(r'<script type="application/x-cw-chunk" id="([^"]+)">([^<]*)</script>', text)
-    return json.loads(found.group(1)), dict(blobs)
+    return json.loads(found), dict(blobs)

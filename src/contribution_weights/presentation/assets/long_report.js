@@ -86,10 +86,10 @@
     const a = Math.abs(v);
     return a >= 1000 || a < 1e-3 ? v.toExponential(2) : v.toPrecision(3);
   }
-  const esc = (s) => s.replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" }[c]));
+  const esc = cwEsc;
   const shown = (tok) => tok.replace(/\n/g, "↵").replace(/\t/g, "⇥") || "∅";
 
-  const { busy, fail } = cwStatus();
+  const { fail, during } = cwStatus();
 
   const tokenEls = [];
   function buildTokens() {
@@ -215,23 +215,13 @@
 
   async function render() {
     if (state.layer === null) return;
-    busy(1);
-    try {
+    await during(async () => {
       const ch = await chunk(state.measure, state.layer);
       renderTokens(ch);
       renderWindow(ch);
       renderChart();
       document.body.dataset.rendered = [state.measure, state.layer, state.head, state.heat, state.query].join("|");
-    } catch (err) {
-      fail(err);
-    } finally {
-      busy(-1);
-    }
-  }
-
-  function fill(el, items, value) {
-    el.innerHTML = items.map(([v, t]) => '<option value="' + esc(String(v)) + '">' + esc(t) + "</option>").join("");
-    el.value = String(value);
+    });
   }
 
   function setup() {
@@ -245,9 +235,9 @@
       box.textContent = w;
       $("cw-warnings").appendChild(box);
     });
-    fill($("cw-measure"), META.measure_order.map((m) => [m, m]), state.measure);
-    fill($("cw-layer"), META.layers.map((l) => [l, "layer " + l]), state.layer);
-    fill($("cw-head"), [[SUM, "Σ heads"], ...[...Array(H).keys()].map((h) => [h, "head " + h])], state.head);
+    cwFillSelect($("cw-measure"), META.measure_order.map((m) => [m, m]), state.measure);
+    cwFillSelect($("cw-layer"), META.layers.map((l) => [l, "layer " + l]), state.layer);
+    cwFillSelect($("cw-head"), [[SUM, "Σ heads"], ...[...Array(H).keys()].map((h) => [h, "head " + h])], state.head);
     $("cw-measure").addEventListener("change", (e) => { state.measure = e.target.value; render(); });
     $("cw-layer").addEventListener("change", (e) => { state.layer = Number(e.target.value); render(); });
     $("cw-head").addEventListener("change", (e) => { state.head = Number(e.target.value); render(); });

@@ -66,9 +66,7 @@
     if (a >= 1000 || a < 1e-3) return v.toExponential(2);
     return v.toPrecision(3);
   }
-  function esc(s) {
-    return s.replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" }[c]));
-  }
+  const esc = cwEsc;
   function shown(tok) {
     return tok.replace(/\n/g, "↵").replace(/\t/g, "⇥").replace(/ /g, "·") || "∅";
   }
@@ -76,7 +74,7 @@
   const headName = (h) => (h === SUM ? "Σ heads" : "head " + h);
 
   // ---- status -----------------------------------------------------------------------
-  const { busy, fail } = cwStatus();
+  const { fail, during } = cwStatus();
 
   // ---- tokens -----------------------------------------------------------------------
   const tokenEls = [];
@@ -386,8 +384,7 @@
   async function render() {
     const gen = ++generation;
     hideTip();
-    busy(1);
-    try {
+    await during(async () => {
       const [tc, h0, h1] = await Promise.all([
         chunk(state.measure, state.layer),
         chunk(state.hm[0], state.layer),
@@ -403,16 +400,7 @@
       renderChart();
       renderSummary();
       document.body.dataset.rendered = [state.measure, state.layer, state.head, state.query].join("|");
-    } catch (err) {
-      fail(err);
-    } finally {
-      busy(-1);
-    }
-  }
-
-  function fillSelect(el, items, value) {
-    el.innerHTML = items.map(([v, label]) => '<option value="' + esc(String(v)) + '">' + esc(label) + "</option>").join("");
-    el.value = String(value);
+    });
   }
 
   function setup() {
@@ -437,10 +425,10 @@
       .join("");
 
     const measures = META.measure_order.map((m) => [m, m]);
-    fillSelect($("cw-measure"), measures, state.measure);
-    fillSelect($("cw-layer"), META.layers.map((l) => [l, "layer " + l]).concat([[MEAN, "mean over layers"]]), state.layer);
-    fillSelect($("cw-head"), Array.from({ length: H }, (_, h) => [h, "head " + h]).concat([[SUM, "Σ sum over heads"]]), state.head);
-    heatmaps.forEach((hm, k) => fillSelect(hm.select, measures, state.hm[k]));
+    cwFillSelect($("cw-measure"), measures, state.measure);
+    cwFillSelect($("cw-layer"), META.layers.map((l) => [l, "layer " + l]).concat([[MEAN, "mean over layers"]]), state.layer);
+    cwFillSelect($("cw-head"), Array.from({ length: H }, (_, h) => [h, "head " + h]).concat([[SUM, "Σ sum over heads"]]), state.head);
+    heatmaps.forEach((hm, k) => cwFillSelect(hm.select, measures, state.hm[k]));
     $("cw-contrast").value = state.contrast;
     $("cw-heat-rows").value = state.heatRows;
 

@@ -25,20 +25,41 @@ async function cwInflate(bytes) {
  * busy(+1/-1) counts pending decodes in body[data-pending]; fail(err) shows an error. */
 function cwStatus() {
   let pending = 0;
-  return {
-    busy(delta) {
-      pending += delta;
-      document.body.dataset.pending = String(pending);
-      document.getElementById("cw-status").textContent = pending > 0 ? "decoding…" : "";
-    },
-    fail(err) {
-      const box = document.createElement("div");
-      box.className = "warning error";
-      box.textContent = "Error: " + (err && err.message ? err.message : err);
-      document.getElementById("cw-warnings").appendChild(box);
-      console.error(err);
-    },
-  };
+  function busy(delta) {
+    pending += delta;
+    document.body.dataset.pending = String(pending);
+    document.getElementById("cw-status").textContent = pending > 0 ? "decoding…" : "";
+  }
+  function fail(err) {
+    const box = document.createElement("div");
+    box.className = "warning error";
+    box.textContent = "Error: " + (err && err.message ? err.message : err);
+    document.getElementById("cw-warnings").appendChild(box);
+    console.error(err);
+  }
+  /* await during(task): runs the async task() busy, an error it throws shown by fail. */
+  async function during(task) {
+    busy(1);
+    try {
+      await task();
+    } catch (err) {
+      fail(err);
+    } finally {
+      busy(-1);
+    }
+  }
+  return { busy, fail, during };
+}
+
+/* Text safe inside HTML markup and attribute values. */
+function cwEsc(s) {
+  return s.replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" }[c]));
+}
+
+/* Fills a <select> with the options [value, label] of items and selects value. */
+function cwFillSelect(el, items, value) {
+  el.innerHTML = items.map(([v, label]) => '<option value="' + cwEsc(String(v)) + '">' + cwEsc(label) + "</option>").join("");
+  el.value = String(value);
 }
 
 function cwStore(META) {
