@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -277,37 +277,48 @@ class AttributionEval(Experiment["AttributionEvalResult"]):
         return _rank_fields(rank_among(1 if protect_first else 0), rank_among(0))
 
     def phases(self) -> Iterator[Phase]:
-        yield Phase(
-            "attribution-eval",
-            range(len(self.items)),
-            self.run,
-            rows_file=AttributionEvalResult.ROWS,
-            key="item",
-            rows_per_unit=self.rows_per_unit,
+        yield self._item_phase(
+            "attribution-eval", self.run, AttributionEvalResult.ROWS, self.rows_per_unit
         )
         if self.options.task in KNOWN_ANSWER and self.baseline_rankings:
-            yield Phase(
+            yield self._item_phase(
                 "baseline-hits",
-                range(len(self.items)),
                 self.baseline_hits,
-                rows_file=AttributionEvalResult.BASELINE_HITS,
-                key="item",
-                rows_per_unit=len(self.baseline_rankings),
+                AttributionEvalResult.BASELINE_HITS,
+                len(self.baseline_rankings),
             )
         for method in self.options.added_methods:
-            yield Phase(
+            yield self._item_phase(
                 f"added {method}",
-                range(len(self.items)),
                 functools.partial(self.run_added, method),
-                rows_file=added_file(method),
-                key="item",
-                rows_per_unit=1 + self._curves_per_ranking,
+                added_file(method),
+                1 + self._curves_per_ranking,
             )
+
+    def _item_phase(
+        self,
+        name: str,
+        run: Callable[[int], list[dict[str, Any]]],
+        rows_file: str,
+        rows_per_unit: int,
+    ) -> Phase:
+        """A phase of the run: a unit per item, its rows in ``rows_file`` keyed by item."""
+        return Phase(
+            name, range(len(self.items)), run, rows_file=rows_file, key="item",
+            rows_per_unit=rows_per_unit,
+        )  # fmt: skip
 
     def result(
         self, rows: Mapping[str, Sequence[Mapping[str, Any]]], run_info: dict[str, Any]
     ) -> AttributionEvalResult:
         return AttributionEvalResult.from_rows(rows, self.config(), run_info)
+
+
+def _rank_fields(rank: int, rank_all: float) -> dict[str, float]:
+    """A hit row's fields from the source's rank among the candidates and among all
+    positions (NaN where not defined)."""
+    return {"rank": float(rank), "hit1": float(rank == 1), "hit5": float(rank <= 5),
+            "rank_all": float(rank_all)}  # fmt: skip
 
 
 def attribution_eval(
@@ -320,13 +331,6 @@ def attribution_eval(
     source: str = "",
     batch_size: int | None = None,
 ) -> AttributionEvalResult:
-    """Evaluate end-to-end attributions (module docstring); resumable with ``out``."""
+    """Evaluate end-to-end attributions (the package docstring); resumable with ``out``."""
     experiment = AttributionEval(model, texts, options or AttributionEvalOptions(), batch_size)
     return run_experiment(experiment, out, resume=resume)
-
-
-def _rank_fields(rank: int, rank_all: float) -> dict[str, float]:
-    """A hit row's fields from the source's rank among the candidates and among all
-    positions (NaN where not defined)."""
-    return {"rank": float(rank), "hit1": float(rank == 1), "hit5": float(rank <= 5),
-            "rank_all": float(rank_all)}  # fmt: skip

@@ -5,8 +5,9 @@ statistics (:meth:`~AttributionEvalResult.families`) and ``tables.md``.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -285,19 +286,25 @@ class AttributionEvalResult(RowsResult):
         )
         areas = self.areas()
         columns = [(how, mode) for how in dict.fromkeys(areas["intervention"]) for mode in MODES]
-        parts = [title, "", *self._hits_md(), *self._areas_md(areas, columns)]
-        return "\n".join(
-            [*parts, *self._verdicts_md(paired, columns), *self._mcnemar_md(hits_paired)]
-        )
+        sections: list[tuple[pd.DataFrame, Callable[[pd.DataFrame], list[str]]]] = [
+            (self.hit_table(), self._hits_md),
+            (areas, functools.partial(self._areas_md, columns=columns)),
+            (paired, functools.partial(self._verdicts_md, columns=columns)),
+            (hits_paired, self._mcnemar_md),
+        ]
+        parts = [title, ""]
+        for table, section in sections:  # an empty table has no section
+            if not table.empty:
+                parts += section(table)
+        return "\n".join(parts)
 
-    def _hits_md(self) -> list[str]:
-        table = self.hit_table()
-        if table.empty:
-            return []
+    @staticmethod
+    def _hits_md(table: pd.DataFrame) -> list[str]:
         if table["top1"].isna().all():  # natural text: no source to find, the seconds
             rows = [[str(name), str(int(r.n)), shown(r.seconds, ".3g")]
                     for name, r in table.dropna(subset=["seconds"]).iterrows()]  # fmt: skip
-            return ["## Seconds per item", "", *markdown_table(["method", "n", "s / item"], rows)]
+            head = ["method", "n", "s / item"]
+            return _section("Seconds per item", "", *markdown_table(head, rows))
         table = table.sort_values("top1", ascending=False, kind="stable")
         rows = [
             [str(name), str(int(r.n)), f"{shown(r.top1)} ± {shown(r.top1_se)}",
@@ -306,19 +313,15 @@ class AttributionEvalResult(RowsResult):
             for name, r in table.iterrows()
         ]  # fmt: skip
         head = ["ranking", "n", "top-1", "top-5", "mean rank", "top1_all", "s / item"]
-        return [
-            "## Hits: the known source first (top-1) or among the first five (top-5)",
-            "",
+        return _section(
+            "Hits: the known source first (top-1) or among the first five (top-5)",
             "Rates ± s.e. over the items; mean rank of the source among the candidates; "
             "`top1_all`: first among all positions, token 0 competing; seconds per item.",
-            "",
             *markdown_table(head, rows),
-        ]
+        )
 
     @staticmethod
     def _areas_md(areas: pd.DataFrame, columns: list[tuple[str, str]]) -> list[str]:
-        if areas.empty:
-            return []
         cell = {(r.measure, r.intervention, r.mode): r for r in areas.itertuples()}
         best = {}
         for how, mode in columns:
@@ -334,29 +337,18 @@ class AttributionEvalResult(RowsResult):
                     f"**{text}**" if r is not None and r.mean == best[(how, mode)] else text
                 )
             rows.append(cells)
-        return [
-            "## Areas over the curves",
-            "",
+        return _section(
+            "Areas over the curves",
             "delta = log P(answer | full) − log P(answer | edited), averaged over the rates "
             "item by item; mean ± s.e. over the items. Comprehensiveness: higher is more "
             "faithful; sufficiency and insertion: lower is. Bold: the best mean of a column "
             "(not a test; the verdicts are below).",
-            "",
             *markdown_table(["ranking", *(f"{m} ({h})" for h, m in columns)], rows),
-        ]
+        )
 
     @staticmethod
     def _verdicts_md(paired: pd.DataFrame, columns: list[tuple[str, str]]) -> list[str]:
-        if paired.empty:
-            return []
-        out = [
-            "## Paired verdicts on the curves",
-            "",
-            "Reference − other per rate (`paired.csv`: bootstrap 95% intervals, Holm over each "
-            "reference's family): *better / tie / worse* for the reference, counted over the "
-            "rates.",
-            "",
-        ]
+        out: list[str] = []
         for ref, group in paired.groupby("reference", sort=False):
             rows = []
             for other, g in group.groupby("other", sort=False):
@@ -368,12 +360,16 @@ class AttributionEvalResult(RowsResult):
                 rows.append(cells)
             head = ["other", *(f"{m} ({h})" for h, m in columns)]
             out += [f"**{ref}** against", "", *markdown_table(head, rows)]
-        return out
+        return _section(
+            "Paired verdicts on the curves",
+            "Reference − other per rate (`paired.csv`: bootstrap 95% intervals, Holm over each "
+            "reference's family): *better / tie / worse* for the reference, counted over the "
+            "rates.",
+            *out,
+        )
 
     @staticmethod
     def _mcnemar_md(mcnemar: pd.DataFrame) -> list[str]:
-        if mcnemar.empty:
-            return []
         rows = [
             [r.reference, r.other, str(r.n), str(r.b), str(r.c),
              f"{r.reference_top1:.2f} / {r.other_top1:.2f}", f"{r.p_holm:.2g}", r.verdict]
@@ -381,11 +377,11 @@ class AttributionEvalResult(RowsResult):
         ]  # fmt: skip
         head = ["reference", "other", "n", "only the reference", "only the other",
                 "top-1 (reference / other)", "p (Holm)", "verdict"]  # fmt: skip
-        return [
-            "## Top-1 hits, paired (exact McNemar, Holm over each reference's family)",
+        return _section(
+            "Top-1 hits, paired (exact McNemar, Holm over each reference's family)",
             "",
             *markdown_table(head, rows, align="llrrrrrl"),
-        ]
+        )
 
     def write_summary(self, folder: Path) -> None:
         """The summary, the curves, the paired statistics and ``tables.md`` (written when
@@ -400,6 +396,12 @@ class AttributionEvalResult(RowsResult):
             write_csv(path, hits)
         else:  # nor an empty or earlier version's table left behind
             path.unlink(missing_ok=True)
+
+
+def _section(title: str, note: str, *lines: str) -> list[str]:
+    """A section of ``tables.md``: its heading, its note where it has one (each followed
+    by a blank line), then its lines (tables, each ending in a blank line)."""
+    return [f"## {title}", "", *([note, ""] if note else []), *lines]
 
 
 def _pool_seeds(rows: pd.DataFrame, values: list[str], keys: Sequence[str] = ()) -> pd.DataFrame:
