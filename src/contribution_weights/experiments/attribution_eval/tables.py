@@ -91,12 +91,10 @@ class AttributionEvalResult(RowsResult):
     def from_files(
         cls, folder: Path, config: dict[str, Any], run_info: dict[str, Any]
     ) -> AttributionEvalResult:
-        extra = folder / cls.BASELINE_HITS
-        added = [folder / added_file(m) for m in cls.added_methods(config)]
-        added_rows = [r for path in added if path.is_file() for r in read_csv(path)]
-        return cls(cls.frame(read_csv(folder / cls.ROWS)), config, run_info,
-                   cls.frame(read_csv(extra)) if extra.is_file() else None,
-                   cls.frame(added_rows))  # fmt: skip
+        """The files a run writes, read as :meth:`from_rows` reads its rows (a file not
+        there: no rows)."""
+        names = [cls.ROWS, cls.BASELINE_HITS, *map(added_file, cls.added_methods(config))]
+        return cls.from_rows({name: read_csv(folder / name) for name in names}, config, run_info)
 
     def write_files(self, folder: Path) -> None:
         path = Path(folder) / self.BASELINE_HITS
