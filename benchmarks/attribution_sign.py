@@ -48,10 +48,10 @@ def main() -> int:
     from contribution_weights.data import load_texts
     from contribution_weights.experiments.attribution_eval import (
         AttributionEval,
+        AttributionEvalOptions,
         ranking_order,
         removal_sets,
     )
-    from contribution_weights.experiments.options import AttributionEvalOptions
     from contribution_weights.experiments.paired import holm, seeds_as_random
 
     method = args.method

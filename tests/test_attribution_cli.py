@@ -314,7 +314,8 @@ def test_resumed_options_keep_the_runs_own_and_say_only_what_differs():
     import argparse
 
     from contribution_weights.cli.options import held_options, said_held
-    from contribution_weights.experiments.options import AttributionEvalOptions, KVEvalOptions
+    from contribution_weights.experiments.attribution_eval import AttributionEvalOptions
+    from contribution_weights.experiments.options import KVEvalOptions
 
     args = argparse.Namespace(out="run", resume=True, n=8)
     held = {"experiment": "kv-eval", **KVEvalOptions(task="ruler").to_dict()}

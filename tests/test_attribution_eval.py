@@ -15,12 +15,12 @@ import contribution_weights as cw
 from contribution_weights.attribution.tasks import make_item, text_item
 from contribution_weights.capture import AttentionEdit, capturing
 from contribution_weights.experiments.attribution_eval import (
+    AttributionEvalOptions,
     AttributionEvalResult,
     Editor,
     attribution_eval,
     removal_sets,
 )
-from contribution_weights.experiments.options import AttributionEvalOptions
 
 
 @pytest.mark.parametrize("task", ["induction", "lookup", "passkey"])

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..registry import Registry
+from .attribution_eval.options import AttributionEvalOptions
 from .options import (
-    AttributionEvalOptions,
     DownstreamOptions,
     FaithfulnessOptions,
     KVEvalOptions,
