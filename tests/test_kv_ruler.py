@@ -422,8 +422,8 @@ def test_caches_generated_together_give_each_its_own_generation(texts: list[str]
 def test_ruler_rows_do_not_depend_on_how_many_generate_together(
     texts: list[str], monkeypatch: Any
 ) -> None:
-    from contribution_weights.experiments import kv_eval as kv_module
     from contribution_weights.experiments.kv_eval import KVEvalOptions, ruler_rows
+    from contribution_weights.experiments.kv_eval import run as kv_module  # patched where looked up
 
     model = tiny_model("llama", dtype=torch.float64)
     model.tokenizer = Chars()
@@ -473,7 +473,7 @@ def test_ruler_options_are_checked(tmp_path: Any, capsys: Any) -> None:
 def test_a_ruler_run_too_short_for_its_needles_fails_before_any_prefill(
     texts: list[str], monkeypatch: Any
 ) -> None:
-    from contribution_weights.experiments import kv_eval as kv_module
+    from contribution_weights.experiments.kv_eval import run as kv_module  # patched where looked up
 
     model = tiny_model("llama")
     model.tokenizer = Chars()
