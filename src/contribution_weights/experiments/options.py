@@ -294,6 +294,3 @@ class GeometryOptions(Options):
         self.sink_layer_threshold = float(self.sink_layer_threshold)
         if not 0 < float(self.low_quantile) < 1 or not 0 < float(self.cone_coverage) <= 1:
             raise ValueError("low_quantile must lie in (0, 1) and cone_coverage in (0, 1]")
-
-
-
