@@ -10,7 +10,7 @@ import contribution_weights
 
 PACKAGE = Path(contribution_weights.__file__).parent
 LAYERS = [
-    {"registry", "defaults", "fields", "generated"},
+    {"registry", "defaults", "fields", "generated", "lazy"},
     {"families", "measures", "progress", "runs", "data", "tracing.storage", "tracing.folder"},
     {"capture", "loading", "tracing.maps", "tracing.format", "tracing.query", "tracing.result"},
     {"interventions", "inputs", "kv"},
