@@ -51,26 +51,16 @@ class LayerCall:
     # every query's probabilities (B, H, Tq, Tk), computed once before the intervention is
     # asked for its scale when the layer fits one block; :meth:`probs` reads them from here
     layer_probs: Tensor | None = None
+    # the sizes, read off the query (B, H, Tq) and the keys (G, Tk)
+    batch: int = field(init=False)
+    num_heads: int = field(init=False)
+    q_len: int = field(init=False)
+    num_kv_heads: int = field(init=False)
+    k_len: int = field(init=False)
 
-    @property
-    def batch(self) -> int:
-        return self.query.shape[0]
-
-    @property
-    def num_heads(self) -> int:
-        return self.query.shape[1]
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.key.shape[1]
-
-    @property
-    def q_len(self) -> int:
-        return self.query.shape[2]
-
-    @property
-    def k_len(self) -> int:
-        return self.key.shape[2]
+    def __post_init__(self) -> None:
+        self.batch, self.num_heads, self.q_len = self.query.shape[:3]
+        self.num_kv_heads, self.k_len = self.key.shape[1:3]
 
     def row_blocks(self) -> list[slice]:
         step = rows_per_block(self.batch * self.num_heads, self.k_len, self.session.block_bytes)
