@@ -8,6 +8,7 @@ from pathlib import Path
 from ..attribution.methods import METHODS
 from ..attribution.options import AttributeOptions
 from .common import (
+    add_command,
     add_model_arguments,
     add_text_arguments,
     check_out_dir,
@@ -26,10 +27,12 @@ def _methods_help() -> str:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "attribute",
-        help="which input tokens drove a prediction (contribution flow, baselines)",
-        description="Attribute the model's prediction at a position (default: the last) to "
+        run,
+        "which input tokens drove a prediction (contribution flow, baselines)",
+        "Attribute the model's prediction at a position (default: the last) to "
         "the input tokens: contribution flow composes every layer's contributions with the "
         "residual stream and projects them on the target; other methods for comparison. "
         f"Methods: {_methods_help()}.",
@@ -46,7 +49,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--top", type=positive_int, default=8, help="tokens listed per method (default 8)"
     )
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -8,16 +8,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..defaults import SINK_LAYER_THRESHOLD
+from .common import add_command
 
 if TYPE_CHECKING:
     import pandas as pd
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "show",
-        help="a query's top tokens at a layer, and which layers are attention sinks",
-        description="Read a trace folder written by `cw trace --out`. With --layer: the "
+        run,
+        "a query's top tokens at a layer, and which layers are attention sinks",
+        "Read a trace folder written by `cw trace --out`. With --layer: the "
         "tokens the query draws on most at that layer, ranked by their share of --measure "
         "summed over heads (the shares of a query sum to 1 over heads and keys: attention "
         "α/H, contribution ĉ), attention beside contribution. Always: per layer, the mean "
@@ -53,7 +56,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="a layer is a sink layer when its mean attention to token 0 is above this "
         f"(default {SINK_LAYER_THRESHOLD}, as the geometry analysis)",
     )
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
