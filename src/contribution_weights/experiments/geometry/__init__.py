@@ -16,6 +16,7 @@ Layout:
   ``correlations``, ``first_token_weight``, ``entropy``, ``sink_alignment``,
   ``sink_scaling``, ``norm_fit``, ``semantic_cone``, ``joint_distributions``), each with
   the statistic only it needs, its table, ``tables.json`` entries and Markdown section;
+* :mod:`.analysis_types` — the types the analyses and the result share (imports neither);
 * :mod:`.result` — :class:`GeometryResult` (``tables`` by analysis name), its files,
   save and load;
 * :mod:`.run` — the accumulator, the :class:`Geometry` experiment, :func:`run_geometry`,
