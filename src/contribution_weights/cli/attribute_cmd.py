@@ -17,6 +17,12 @@ from .common import (
 )
 from .options import add_options, options_from_args
 
+#: the command's line in ``cw --help``, and the text atop its own ``--help``
+HELP = "which input tokens drove a prediction (contribution flow, baselines)"
+DESCRIPTION = """Attribute the model's prediction at a position (default: the last) to the input
+tokens: contribution flow composes every layer's contributions with the residual stream and
+projects them on the target; other methods for comparison."""
+
 
 def _methods_help() -> str:
     own = [f"{m.name}: {m.description} ({m.cost})" for m in METHODS if not m.absolute_of]
@@ -27,16 +33,7 @@ def _methods_help() -> str:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = add_command(
-        sub,
-        "attribute",
-        run,
-        "which input tokens drove a prediction (contribution flow, baselines)",
-        "Attribute the model's prediction at a position (default: the last) to "
-        "the input tokens: contribution flow composes every layer's contributions with the "
-        "residual stream and projects them on the target; other methods for comparison. "
-        f"Methods: {_methods_help()}.",
-    )
+    p = add_command(sub, "attribute", run, HELP, f"{DESCRIPTION} Methods: {_methods_help()}.")
     add_text_arguments(p)
     add_model_arguments(p)
     add_options(p, AttributeOptions)

@@ -20,6 +20,12 @@ from .common import (
     read_text,
 )
 
+#: the command's line in ``cw --help``, and the text atop its own ``--help``
+HELP = "write an interactive, self-contained HTML report of a trace"
+DESCRIPTION = """Trace a text (or load a saved trace folder) and write one HTML file that opens
+offline in any browser: hover a token to see what it reads, heatmaps of attention vs
+contribution, first-token weight per layer and the summary."""
+
 
 def parse_size(value: str) -> int | None:
     """``--max-bytes``: a size as every option takes one (``64M``, ``20MB``, ``32MiB``; see
@@ -30,15 +36,7 @@ def parse_size(value: str) -> int | None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = add_command(
-        sub,
-        "report",
-        run,
-        "write an interactive, self-contained HTML report of a trace",
-        "Trace a text (or load a saved trace folder) and write one HTML file that "
-        "opens offline in any browser: hover a token to see what it reads, heatmaps of "
-        "attention vs contribution, first-token weight per layer and the summary.",
-    )
+    p = add_command(sub, "report", run, HELP, DESCRIPTION)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--text", help="the text to trace")
     src.add_argument("--file", type=Path, help="read the text from a file ('-' for stdin)")

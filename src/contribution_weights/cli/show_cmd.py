@@ -14,19 +14,17 @@ if TYPE_CHECKING:
     import pandas as pd
 
 
+#: the command's line in ``cw --help``, and the text atop its own ``--help``
+HELP = "a query's top tokens at a layer, and which layers are attention sinks"
+DESCRIPTION = """Read a trace folder written by `cw trace --out`. With --layer: the tokens the
+query draws on most at that layer, ranked by their share of --measure summed over heads (the
+shares of a query sum to 1 over heads and keys: attention α/H, contribution ĉ), attention beside
+contribution. Always: per layer, the mean attention to token 0, token 0's share of the
+contribution, and whether the layer is a sink layer (attention to token 0 above --threshold)."""
+
+
 def register(sub: argparse._SubParsersAction) -> None:
-    p = add_command(
-        sub,
-        "show",
-        run,
-        "a query's top tokens at a layer, and which layers are attention sinks",
-        "Read a trace folder written by `cw trace --out`. With --layer: the "
-        "tokens the query draws on most at that layer, ranked by their share of --measure "
-        "summed over heads (the shares of a query sum to 1 over heads and keys: attention "
-        "α/H, contribution ĉ), attention beside contribution. Always: per layer, the mean "
-        "attention to token 0, token 0's share of the contribution, and whether the layer "
-        "is a sink layer (attention to token 0 above --threshold).",
-    )
+    p = add_command(sub, "show", run, HELP, DESCRIPTION)
     p.add_argument("trace", type=Path, metavar="TRACE", help="a folder written by cw trace --out")
     p.add_argument(
         "--layer",

@@ -24,6 +24,15 @@ if TYPE_CHECKING:
     from ..tracing import TraceOptions
 
 
+#: the command's line in ``cw --help``, and the text atop its own ``--help``
+HELP = "trace a text: per-layer, per-head measures, summary and figures"
+DESCRIPTION = """Trace a text through the model, streaming each layer's maps to DIR/maps/ as it
+is done (packed lower triangles), with DIR/vectors.safetensors, DIR/tokens.json, DIR/meta.json,
+DIR/summary.json and figures. --no-maps keeps only per-(layer, head) reductions. Before it
+starts, the trace's memory and disk needs are estimated; when they do not fit it stops with the
+options that would."""
+
+
 def _pairs(value: str) -> list[tuple[int, int]]:
     out = []
     for part in value.split(","):
@@ -40,17 +49,7 @@ def _pairs(value: str) -> list[tuple[int, int]]:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = add_command(
-        sub,
-        "trace",
-        run,
-        "trace a text: per-layer, per-head measures, summary and figures",
-        "Trace a text through the model, streaming each layer's maps to "
-        "DIR/maps/ as it is done (packed lower triangles), with DIR/vectors.safetensors, "
-        "DIR/tokens.json, DIR/meta.json, DIR/summary.json and figures. --no-maps keeps "
-        "only per-(layer, head) reductions. Before it starts, the trace's memory and disk "
-        "needs are estimated; when they do not fit it stops with the options that would.",
-    )
+    p = add_command(sub, "trace", run, HELP, DESCRIPTION)
     add_text_arguments(p)
     add_model_arguments(p)
     add_trace_arguments(

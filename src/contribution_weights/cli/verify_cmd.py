@@ -7,18 +7,16 @@ from pathlib import Path
 
 from .common import add_command
 
+#: the command's line in ``cw --help``, and the text atop its own ``--help``
+HELP = "check a trace folder's files against their recorded checksums"
+DESCRIPTION = """Recompute the SHA-256 of every file of a trace folder and compare it with the
+one recorded in its meta.json when the trace was written. Exit status 0: every file is intact;
+1: some are damaged or missing (each is named); 2: the folder holds no trace, or one written
+before checksums were recorded."""
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = add_command(
-        sub,
-        "verify",
-        run,
-        "check a trace folder's files against their recorded checksums",
-        "Recompute the SHA-256 of every file of a trace folder and compare it "
-        "with the one recorded in its meta.json when the trace was written. Exit status 0: "
-        "every file is intact; 1: some are damaged or missing (each is named); 2: the folder "
-        "holds no trace, or one written before checksums were recorded.",
-    )
+    p = add_command(sub, "verify", run, HELP, DESCRIPTION)
     p.add_argument("trace", type=Path, metavar="DIR", help="a trace folder (cw trace --out DIR)")
 
 
