@@ -268,8 +268,8 @@ def run(args: argparse.Namespace, spec: ExperimentSpec) -> int:
     inputs = INPUTS[spec.inputs]
     fixed = inputs.options(args) if hasattr(inputs, "options") else {}
     options = run_options(args, spec.name, spec.options, fixed)
+    entry = spec.entry_point()  # a plugin's bad entry point fails before the model loads
     model, data, source, extra = load_inputs(args, spec.name, inputs)
-    entry = spec.entry_point()
     if spec.batch_size:
         extra["batch_size"] = args.batch_size
     with few_samples_on_stderr(
