@@ -8,6 +8,7 @@ from pathlib import Path
 from ..attribution.methods import METHODS
 from ..attribution.options import AttributeOptions
 from .common import (
+    add_command,
     add_model_arguments,
     add_text_arguments,
     check_out_dir,
@@ -15,6 +16,12 @@ from .common import (
     read_text,
 )
 from .options import add_options, options_from_args
+
+#: the command's line in ``cw --help``, and the text atop its own ``--help``
+HELP = "which input tokens drove a prediction (contribution flow, baselines)"
+DESCRIPTION = """Attribute the model's prediction at a position (default: the last) to the input
+tokens: contribution flow composes every layer's contributions with the residual stream and
+projects them on the target; other methods for comparison."""
 
 
 def _methods_help() -> str:
@@ -26,14 +33,7 @@ def _methods_help() -> str:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "attribute",
-        help="which input tokens drove a prediction (contribution flow, baselines)",
-        description="Attribute the model's prediction at a position (default: the last) to "
-        "the input tokens: contribution flow composes every layer's contributions with the "
-        "residual stream and projects them on the target; other methods for comparison. "
-        f"Methods: {_methods_help()}.",
-    )
+    p = add_command(sub, "attribute", run, HELP, f"{DESCRIPTION} Methods: {_methods_help()}.")
     add_text_arguments(p)
     add_model_arguments(p)
     add_options(p, AttributeOptions)
@@ -46,7 +46,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--top", type=positive_int, default=8, help="tokens listed per method (default 8)"
     )
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

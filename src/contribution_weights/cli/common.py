@@ -6,11 +6,25 @@ import argparse
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..data import TEXT_DATASETS
 from ..defaults import EMBEDDED_MODELS
+
+
+def add_command(
+    sub: argparse._SubParsersAction,
+    name: str,
+    run: Callable[[argparse.Namespace], int],
+    about: str,
+    description: str,
+) -> argparse.ArgumentParser:
+    """A sub-command's parser: ``cw NAME`` with ``about`` as its line in ``cw --help`` and
+    ``description`` atop its own ``--help``, running ``run(args)``."""
+    p: argparse.ArgumentParser = sub.add_parser(name, help=about, description=description)
+    p.set_defaults(func=run)
+    return p
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -59,6 +73,21 @@ def add_text_arguments(p: argparse.ArgumentParser, example: bool = True) -> None
             "--example", action="store_true", help="use the example text shipped with the package"
         )
     add_newline_argument(p)
+
+
+def add_trace_arguments(
+    p: argparse.ArgumentParser, measures: str | None, measures_help: str, layers_help: str
+) -> None:
+    """What a trace covers: ``--measures`` (default ``measures``), ``--layers``, and
+    ``--max-tokens`` with ``--truncate``."""
+    p.add_argument("--measures", default=measures, help=measures_help)
+    p.add_argument("--layers", type=parse_int_list, default=None, help=layers_help)
+    p.add_argument("--max-tokens", type=int, default=None, help="longest text accepted")
+    p.add_argument(
+        "--truncate",
+        action="store_true",
+        help="keep the first --max-tokens tokens of a longer text",
+    )
 
 
 def add_newline_argument(p: argparse.ArgumentParser) -> None:
@@ -274,19 +303,27 @@ def _existing_ancestor(path: Path) -> Path:
     return probe
 
 
+def _writable_base(
+    path: Path, flag: str, folder: Path, verb: str, instead: str
+) -> tuple[Path, str | None]:
+    """The nearest existing folder at or above ``folder`` where ``path`` would be made, and
+    None when a file can be created there, else why not; an existing file in the way is an
+    InputError ("``flag path`` cannot be ``verb``: ...; give ``instead``")."""
+    base = _existing_ancestor(folder)
+    if not base.is_dir():
+        raise _input_error(
+            f"{flag} {path} cannot be {verb}: {base} is a file, not a folder; give {instead}"
+        )
+    return base, _probe_writable(base)
+
+
 def check_out_dir(path: Path, flag: str = "--out") -> Path:
     """An output folder that exists and can be written, or that can be created."""
     if path.exists() and not path.is_dir():
         raise _input_error(
             f"{flag} {path} is an existing file, not a folder; give a new or existing folder"
         )
-    base = _existing_ancestor(path)
-    if not base.is_dir():
-        raise _input_error(
-            f"{flag} {path} cannot be created: {base} is a file, not a folder; "
-            "give a folder elsewhere"
-        )
-    why = _probe_writable(base)
+    base, why = _writable_base(path, flag, path, "created", "a folder elsewhere")
     if why is not None:
         what = "cannot be written" if base == path.absolute() else f"cannot be created in {base}"
         raise _input_error(f"{flag} {path} {what} ({why}); give a folder you can write to")
@@ -340,13 +377,7 @@ def check_out_file(path: Path, flag: str = "--out") -> Path:
         raise _input_error(f"{flag} {path} is a folder; give a file name such as report.html")
     if path.exists() and not os.access(path, os.W_OK):
         raise _input_error(f"{flag} {path} exists and cannot be overwritten (no permission)")
-    base = _existing_ancestor(path.parent)
-    if not base.is_dir():
-        raise _input_error(
-            f"{flag} {path} cannot be written: {base} is a file, not a folder; "
-            "give a path in a folder"
-        )
-    why = _probe_writable(base)
+    base, why = _writable_base(path, flag, path.parent, "written", "a path in a folder")
     if why is not None:
         raise _input_error(
             f"{flag} {path} cannot be created in {base} ({why}); give a path you can write to"

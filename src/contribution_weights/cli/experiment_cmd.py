@@ -37,19 +37,50 @@ MORE_TEXTS = (
 )
 
 
-def add_run_arguments(p: argparse.ArgumentParser, batch_size: bool = True) -> None:
-    """--out, --resume, (--batch-size) and the model arguments of an experiment."""
+def add_run_arguments(
+    p: argparse.ArgumentParser,
+    batch_size: bool = True,
+    resume: str = "continue the run in --out (options not given keep the run's values)",
+) -> None:
+    """--out, --resume (help ``resume``), (--batch-size) and the model arguments of an
+    experiment."""
     p.add_argument("--out", type=Path, required=True, help="output folder")
-    p.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue the run in --out (options not given keep the run's values)",
-    )
+    p.add_argument("--resume", action="store_true", help=resume)
     if batch_size:
         p.add_argument(
             "--batch-size", type=positive_int, default=None, help="rows per forward (default: auto)"
         )
     add_model_arguments(p)
+
+
+def run_options(
+    args: argparse.Namespace, name: str, options_type: type, fixed: dict[str, Any]
+) -> Any:
+    """The options of the run in ``--out``, checked before anything loads: the folder can
+    be written and holds this run (or none), options not given keep a resumed run's values
+    and ``fixed`` are set by the command itself; bad values fail here."""
+    check_out_dir(args.out)  # before the data and the model load
+    check_run_folder(args.out, args.resume)
+    kept = resumed_options(options_type, args, fixed, name)
+    return options_from_args(options_type, args, **kept, **fixed)
+
+
+def load_inputs(
+    args: argparse.Namespace, name: str, inputs: Any
+) -> tuple[Any, Any, str, dict[str, Any]]:
+    """The model and what ``cw NAME`` reads (its spec's ``inputs``), fitted to the model,
+    with their source and the entry point's extra arguments; a data set that is not
+    there is an error naming the command's own way to give inputs."""
+    from ..data import MissingDataError
+    from ..loading import load_model
+
+    try:
+        data, source, extra = inputs.read(args)
+    except MissingDataError as err:
+        raise err.for_command(name, inputs.own) from None
+    model = load_model(args.model, dtype=args.dtype, device=model_device(args))
+    data, source = inputs.fit(args, model, data, source)
+    return model, data, source, extra
 
 
 def print_skipped(result: object) -> None:
@@ -230,25 +261,15 @@ def register(sub: argparse._SubParsersAction, spec: ExperimentSpec) -> None:
 
 
 def run(args: argparse.Namespace, spec: ExperimentSpec) -> int:
-    from ..data import MissingDataError
     from ..experiments.result import few_samples_on_stderr
     from ..experiments.runner import processes
-    from ..loading import load_model
     from ..presentation.figures import figure_for, plot
 
     inputs = INPUTS[spec.inputs]
-    check_out_dir(args.out)  # before the data and the model load
-    check_run_folder(args.out, args.resume)
     fixed = inputs.options(args) if hasattr(inputs, "options") else {}
-    kept = resumed_options(spec.options, args, fixed, spec.name)
-    options = options_from_args(spec.options, args, **kept, **fixed)  # fail before loading
-    try:
-        data, source, extra = inputs.read(args)
-    except MissingDataError as err:
-        raise err.for_command(spec.name, inputs.own) from None
-    entry = spec.entry_point()
-    model = load_model(args.model, dtype=args.dtype, device=model_device(args))
-    data, source = inputs.fit(args, model, data, source)
+    options = run_options(args, spec.name, spec.options, fixed)
+    entry = spec.entry_point()  # a plugin's bad entry point fails before the model loads
+    model, data, source, extra = load_inputs(args, spec.name, inputs)
     if spec.batch_size:
         extra["batch_size"] = args.batch_size
     with few_samples_on_stderr(

@@ -11,13 +11,20 @@ from ..presentation.report_data import DEFAULT_MAX_BYTES, DEFAULT_MEASURES, PREC
 from ..progress import status
 from .common import (
     _input_error,
+    add_command,
     add_model_arguments,
     add_newline_argument,
+    add_trace_arguments,
     check_out_file,
     parse_bytes,
-    parse_int_list,
     read_text,
 )
+
+#: the command's line in ``cw --help``, and the text atop its own ``--help``
+HELP = "write an interactive, self-contained HTML report of a trace"
+DESCRIPTION = """Trace a text (or load a saved trace folder) and write one HTML file that opens
+offline in any browser: hover a token to see what it reads, heatmaps of attention vs
+contribution, first-token weight per layer and the summary."""
 
 
 def parse_size(value: str) -> int | None:
@@ -29,13 +36,7 @@ def parse_size(value: str) -> int | None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "report",
-        help="write an interactive, self-contained HTML report of a trace",
-        description="Trace a text (or load a saved trace folder) and write one HTML file that "
-        "opens offline in any browser: hover a token to see what it reads, heatmaps of "
-        "attention vs contribution, first-token weight per layer and the summary.",
-    )
+    p = add_command(sub, "report", run, HELP, DESCRIPTION)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--text", help="the text to trace")
     src.add_argument("--file", type=Path, help="read the text from a file ('-' for stdin)")
@@ -43,21 +44,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--trace", type=Path, help="a folder written by `cw trace --out`")
     add_newline_argument(p)
     add_model_arguments(p)
-    p.add_argument(
-        "--measures",
-        default=None,
-        help="comma-separated measures to trace and embed (default: "
+    add_trace_arguments(
+        p,
+        None,
+        "comma-separated measures to trace and embed (default: "
         f"{','.join(DEFAULT_MEASURES)}, but distance, slow, is traced only when named; from "
         "a --trace folder, those of them it holds; 'all' for every traced one)",
-    )
-    p.add_argument(
-        "--layers", type=parse_int_list, default=None, help="layers to embed, e.g. 0,5,-1 or 0-3"
-    )
-    p.add_argument("--max-tokens", type=int, default=None, help="longest text accepted")
-    p.add_argument(
-        "--truncate",
-        action="store_true",
-        help="keep the first --max-tokens tokens of a longer text",
+        "layers to embed, e.g. 0,5,-1 or 0-3",
     )
     p.add_argument(
         "--max-bytes",
@@ -90,7 +83,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--title", default=None, help="page title")
     p.add_argument("--out", type=Path, required=True, help="the HTML file to write")
-    p.set_defaults(func=run)
 
 
 def _window(value: str) -> tuple[int, int]:

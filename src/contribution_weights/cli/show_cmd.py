@@ -8,22 +8,23 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..defaults import SINK_LAYER_THRESHOLD
+from .common import add_command
 
 if TYPE_CHECKING:
     import pandas as pd
 
 
+#: the command's line in ``cw --help``, and the text atop its own ``--help``
+HELP = "a query's top tokens at a layer, and which layers are attention sinks"
+DESCRIPTION = """Read a trace folder written by `cw trace --out`. With --layer: the tokens the
+query draws on most at that layer, ranked by their share of --measure summed over heads (the
+shares of a query sum to 1 over heads and keys: attention α/H, contribution ĉ), attention beside
+contribution. Always: per layer, the mean attention to token 0, token 0's share of the
+contribution, and whether the layer is a sink layer (attention to token 0 above --threshold)."""
+
+
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "show",
-        help="a query's top tokens at a layer, and which layers are attention sinks",
-        description="Read a trace folder written by `cw trace --out`. With --layer: the "
-        "tokens the query draws on most at that layer, ranked by their share of --measure "
-        "summed over heads (the shares of a query sum to 1 over heads and keys: attention "
-        "α/H, contribution ĉ), attention beside contribution. Always: per layer, the mean "
-        "attention to token 0, token 0's share of the contribution, and whether the layer "
-        "is a sink layer (attention to token 0 above --threshold).",
-    )
+    p = add_command(sub, "show", run, HELP, DESCRIPTION)
     p.add_argument("trace", type=Path, metavar="TRACE", help="a folder written by cw trace --out")
     p.add_argument(
         "--layer",
@@ -53,7 +54,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="a layer is a sink layer when its mean attention to token 0 is above this "
         f"(default {SINK_LAYER_THRESHOLD}, as the geometry analysis)",
     )
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,18 +9,28 @@ from typing import TYPE_CHECKING
 
 from ..defaults import DEFAULT_TOP_K, KERNEL_PRECISIONS, KERNELS, STORAGE_DTYPE_NAMES
 from .common import (
+    add_command,
     add_model_arguments,
     add_text_arguments,
+    add_trace_arguments,
     check_heads,
     check_out_dir,
     parse_bytes,
-    parse_int_list,
     plural,
     read_text,
 )
 
 if TYPE_CHECKING:
     from ..tracing import TraceOptions
+
+
+#: the command's line in ``cw --help``, and the text atop its own ``--help``
+HELP = "trace a text: per-layer, per-head measures, summary and figures"
+DESCRIPTION = """Trace a text through the model, streaming each layer's maps to DIR/maps/ as it
+is done (packed lower triangles), with DIR/vectors.safetensors, DIR/tokens.json, DIR/meta.json,
+DIR/summary.json and figures. --no-maps keeps only per-(layer, head) reductions. Before it
+starts, the trace's memory and disk needs are estimated; when they do not fit it stops with the
+options that would."""
 
 
 def _pairs(value: str) -> list[tuple[int, int]]:
@@ -39,32 +49,16 @@ def _pairs(value: str) -> list[tuple[int, int]]:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "trace",
-        help="trace a text: per-layer, per-head measures, summary and figures",
-        description="Trace a text through the model, streaming each layer's maps to "
-        "DIR/maps/ as it is done (packed lower triangles), with DIR/vectors.safetensors, "
-        "DIR/tokens.json, DIR/meta.json, DIR/summary.json and figures. --no-maps keeps "
-        "only per-(layer, head) reductions. Before it starts, the trace's memory and disk "
-        "needs are estimated; when they do not fit it stops with the options that would.",
-    )
+    p = add_command(sub, "trace", run, HELP, DESCRIPTION)
     add_text_arguments(p)
     add_model_arguments(p)
-    p.add_argument(
-        "--measures",
-        default="all",
-        help="comma-separated measures or 'all' = every measure but distance, ihc and "
+    add_trace_arguments(
+        p,
+        "all",
+        "comma-separated measures or 'all' = every measure but distance, ihc and "
         "projection (`cw measures` lists them and which are in all; an unknown name is "
         "answered with the list)",
-    )
-    p.add_argument(
-        "--layers", type=parse_int_list, default=None, help="layers to trace, e.g. 0,5,-1 or 0-3"
-    )
-    p.add_argument("--max-tokens", type=int, default=None, help="longest text accepted")
-    p.add_argument(
-        "--truncate",
-        action="store_true",
-        help="keep the first --max-tokens tokens of a longer text",
+        "layers to trace, e.g. 0,5,-1 or 0-3",
     )
     p.add_argument(
         "--compute-dtype",
@@ -138,7 +132,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="replace a trace already in --out (without it such a folder is refused, naming "
         "the trace it holds)",
     )
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

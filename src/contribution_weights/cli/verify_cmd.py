@@ -5,18 +5,19 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from .common import add_command
+
+#: the command's line in ``cw --help``, and the text atop its own ``--help``
+HELP = "check a trace folder's files against their recorded checksums"
+DESCRIPTION = """Recompute the SHA-256 of every file of a trace folder and compare it with the
+one recorded in its meta.json when the trace was written. Exit status 0: every file is intact;
+1: some are damaged or missing (each is named); 2: the folder holds no trace, or one written
+before checksums were recorded."""
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "verify",
-        help="check a trace folder's files against their recorded checksums",
-        description="Recompute the SHA-256 of every file of a trace folder and compare it "
-        "with the one recorded in its meta.json when the trace was written. Exit status 0: "
-        "every file is intact; 1: some are damaged or missing (each is named); 2: the folder "
-        "holds no trace, or one written before checksums were recorded.",
-    )
+    p = add_command(sub, "verify", run, HELP, DESCRIPTION)
     p.add_argument("trace", type=Path, metavar="DIR", help="a trace folder (cw trace --out DIR)")
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

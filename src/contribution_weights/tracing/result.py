@@ -300,19 +300,12 @@ class Trace:
         columns = ["measure", "first_token_weight", "entropy", "entropy_excl_first"]
         return pd.DataFrame(rows, columns=columns).set_index("measure")
 
-    def top_tokens(
-        self,
-        layer: int,
-        query: int = -1,
-        k: int = 8,
-        measure: str = "contribution",
-        heads: bool = False,
-        exclude_first: bool = False,
-    ) -> pd.DataFrame:
-        """The ``k`` tokens query ``query`` (default the last) draws on most at model layer
-        ``layer``, by their share of ``measure`` summed over heads, attention beside
-        contribution, per head with ``heads`` (:func:`~.query.top_tokens`)."""
-        return top_tokens(self, layer, query, k, measure, heads, exclude_first)
+    #: ``trace.top_tokens(layer, query=-1, k=8, measure="contribution", heads=False,
+    #: exclude_first=False)``: the ``k`` tokens query ``query`` (default the last) draws on
+    #: most at model layer ``layer``, by their share of ``measure`` summed over heads,
+    #: attention beside contribution, per head with ``heads`` (:func:`~.query.top_tokens`,
+    #: this trace its first argument)
+    top_tokens = top_tokens
 
     def sinks(self, threshold: float | None = None) -> pd.DataFrame:
         """Per traced layer: mean attention to token 0, token 0's share of the

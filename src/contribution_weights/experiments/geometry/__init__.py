@@ -10,12 +10,15 @@
 Layout:
 
 * :mod:`.analysis` — what an analysis is (:class:`Analysis`; :class:`LayerMeansAnalysis`
-  for one whose table is a per-layer mean statistic), the context it builds from
-  (:class:`TableContext`), the registry (:func:`register_analysis`) and :func:`make_stats`;
+  for one whose table is a per-layer mean statistic), the registry
+  (:func:`register_analysis`) and :func:`make_stats`;
 * :mod:`.analyses` — the built-in analyses, one module each (``regression``,
   ``correlations``, ``first_token_weight``, ``entropy``, ``sink_alignment``,
   ``sink_scaling``, ``norm_fit``, ``semantic_cone``, ``joint_distributions``), each with
   the statistic only it needs, its table, ``tables.json`` entries and Markdown section;
+* :mod:`.analysis_types` — the types the analyses and the result share: the context an
+  analysis builds from (:class:`TableContext`), a saved run (:class:`SavedRun`) and what
+  its Markdown reads of the result (:class:`ResultView`); it imports neither;
 * :mod:`.result` — :class:`GeometryResult` (``tables`` by analysis name), its files,
   save and load;
 * :mod:`.run` — the accumulator, the :class:`Geometry` experiment, :func:`run_geometry`,
@@ -47,14 +50,13 @@ from .analysis import (
     ANALYSES_REGISTRY,
     Analysis,
     LayerMeansAnalysis,
-    SavedRun,
-    TableContext,
     analysis_names,
     get_analysis,
     make_stats,
     register_analysis,
     resolve_analyses,
 )
+from .analysis_types import ResultView, SavedRun, TableContext
 from .result import SCALING_FILE, STATE_FILE, GeometryResult, build_result
 from .run import (
     Geometry,
@@ -95,6 +97,7 @@ __all__ = [
     "NoSinkLayersWarning",
     "NormFitAnalysis",
     "Regression",
+    "ResultView",
     "SavedRun",
     "SemanticConeAnalysis",
     "SinkAlignmentAnalysis",

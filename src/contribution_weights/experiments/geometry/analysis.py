@@ -10,16 +10,17 @@ there by the analysis' name (``presentation.geometry_plots.register_geometry_fig
 Register an instance with :func:`register_analysis` and ``cw geometry --only NAME`` runs
 it; the built-in ones live in :mod:`.analyses`, one module each.
 
-Also here: the helpers analyses share to write JSON numbers and Markdown tables.
+Also here: the helpers analyses share to write JSON numbers and Markdown tables. The types
+they share with :mod:`.result` (:class:`~.analysis_types.TableContext`, ``SavedRun``,
+``ResultView``) live in :mod:`.analysis_types`, which imports neither.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import fields
+from typing import Any, Generic, TypeVar, cast
 
 import numpy as np
 import pandas as pd
@@ -27,39 +28,9 @@ import pandas as pd
 from ...registry import Registry
 from ..options import GeometryOptions
 from ..stats import ComponentPoints, LayerMeans, SinkRate, Stat
-
-if TYPE_CHECKING:
-    from .result import GeometryResult
+from .analysis_types import ResultView, SavedRun, TableContext
 
 T = TypeVar("T")
-
-
-@dataclass
-class TableContext:
-    """What an analysis builds its table from: the run's statistics and its scaling passes."""
-
-    stats: dict[str, Stat]
-    options: GeometryOptions
-    num_layers: int
-    sink_layers: list[int] | None = None
-    scaling_nll: list[list[float]] | None = None
-    scaling_skipped: str | None = None
-    groups: dict[str, dict[str, np.ndarray]] | None = None  # the sampled points per group
-    control_nll: list[list[float]] | None = None  # the scaling passes' control, per sequence
-
-    @property
-    def layers(self) -> pd.RangeIndex:
-        return pd.RangeIndex(self.num_layers, name="layer")
-
-
-@dataclass
-class SavedRun:
-    """What a run folder keeps besides its state: ``tables.json`` and ``per_layer.csv``
-    (indexed by layer), read back when the state (``state.pt``) is not there."""
-
-    folder: Path
-    tables: dict[str, Any]
-    per_layer: pd.DataFrame
 
 
 class Analysis(Generic[T]):
@@ -102,7 +73,7 @@ class Analysis(Generic[T]):
         """Other files of the run folder, by name."""
         return {}
 
-    def markdown(self, table: T, result: GeometryResult) -> list[str]:
+    def markdown(self, table: T, result: ResultView) -> list[str]:
         """Lines of this analysis' section of ``tables.md``."""
         return []
 
@@ -124,23 +95,30 @@ class LayerMeansAnalysis(Analysis[T]):
     followed by each column's name.
 
     ``stats``, ``build``, ``from_saved`` and ``per_layer`` follow from :attr:`stat` and
-    :attr:`prefix`; a table that is more than that frame says how it is made from the
-    frame (:meth:`table_from_layers`) and which frame it holds (:meth:`layers_of`).
+    :attr:`prefix`; a table that is more than that frame is a dataclass made from the
+    frame alone, its first field (:attr:`tables`), or says how it is made from the frame
+    (:meth:`table_from_layers`) and which frame it holds (:meth:`layers_of`).
     """
 
     stat: type[LayerMeans]
     prefix: str = ""  # before each column's name in per_layer.csv
+    #: the table's type when it is more than the frame: a dataclass made from the frame
+    #: alone (``tables(by_layer)``), which is its first field; None: the frame itself
+    tables: type[Any] | None = None
 
     def stats(self, num_layers: int, num_heads: int, options: GeometryOptions) -> dict[str, Stat]:
         return {self.name: self.stat(num_layers)}
 
     def table_from_layers(self, by_layer: pd.DataFrame) -> T:
-        """The table of the per-layer frame (default: the frame itself)."""
-        return cast(T, by_layer)
+        """The table of the per-layer frame (default: :attr:`tables` of it, or the frame)."""
+        return cast(T, by_layer if self.tables is None else self.tables(by_layer))
 
     def layers_of(self, table: T) -> pd.DataFrame:
-        """The per-layer frame a table holds (default: the table itself)."""
-        return cast(pd.DataFrame, table)
+        """The per-layer frame a table holds (default: the first field of a :attr:`tables`
+        table, or the table itself)."""
+        if self.tables is None:
+            return cast(pd.DataFrame, table)
+        return cast(pd.DataFrame, getattr(table, fields(self.tables)[0].name))
 
     def build(self, ctx: TableContext) -> T:
         stat = ctx.stats[self.name]
@@ -240,3 +218,34 @@ def markdown_table(t: pd.DataFrame, index: bool = True) -> str:
 def sampled_points(num_layers: int, options: GeometryOptions) -> dict[str, Stat]:
     """The shared sample of (α, r, κ, ĉ, ‖ṽ‖) points, ``"points"`` (its cap and seed)."""
     return {"points": ComponentPoints(num_layers, options.cap, options.seed)}
+
+
+# ---- a permutation null beside an analysis' table: tables.json, read back, tables.md ------
+def null_to_json(null: pd.DataFrame, overall: str, token: str, alternative: str) -> dict[str, Any]:
+    """The ``null`` entry of an analysis in ``tables.json``: what stands in for the sink
+    (``token``), the side of its one-sided p-values, its row ``overall`` (over layers)
+    and its rows per layer."""
+    return {
+        "token": token,
+        "alternative": alternative,
+        "overall": records(null[null.index == overall])[0],
+        "by_layer": records(null[null.index != overall].reset_index()),
+    }
+
+
+def null_from_json(data: dict[str, Any], overall: str, columns: Sequence[str]) -> pd.DataFrame:
+    """Inverse of :func:`null_to_json`: the null's table, indexed by layer and ``overall``."""
+    null = pd.DataFrame([*data["by_layer"], {"layer": overall, **data["overall"]}])
+    null = null.set_index("layer")
+    null.index = pd.Index(null.index, dtype=object, name="layer")
+    return null.reindex(columns=list(columns)).astype(float)
+
+
+def null_markdown(
+    null: pd.DataFrame | None, overall: str, about: Callable[[pd.Series], str]
+) -> list[str]:
+    """The lines of ``tables.md`` after an analysis' table for its null: none without one,
+    else ``about`` its row ``overall`` and the null's table."""
+    if null is None:
+        return []
+    return [about(null.loc[overall]), "", markdown_table(null), ""]

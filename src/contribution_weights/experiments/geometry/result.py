@@ -29,15 +29,8 @@ from ..state_io import load_state, save_state
 from ..stats import GROUPS, ComponentPoints, SinkRate, Stat
 from .analyses import JSON_KEYS
 from .analyses.sink_scaling import SinkScalingResult
-from .analysis import (
-    ANALYSES_REGISTRY,
-    Analysis,
-    SavedRun,
-    TableContext,
-    analysis_names,
-    get_analysis,
-    make_stats,
-)
+from .analysis import ANALYSES_REGISTRY, Analysis, analysis_names, get_analysis, make_stats
+from .analysis_types import SavedRun, TableContext
 
 STATE_FILE = "state.pt"
 SCALING_FILE = "sink_scaling.csv"

@@ -39,7 +39,7 @@ import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, cast
 
 import numpy as np
 import pandas as pd
@@ -363,32 +363,6 @@ def component_regression(
     )
 
 
-def log_correlations(
-    model: LoadedModel, texts: Any, options: GeometryOptions | None = None
-) -> pd.DataFrame:
-    """Table 2: Pearson correlations of log α, log r, log|κ| (token group ``all``)."""
-    return _one(model, texts, "correlations", options).correlations
-
-
-def first_token_weight(
-    model: LoadedModel, texts: Any, options: GeometryOptions | None = None
-) -> pd.DataFrame:
-    """Table 4 per layer (columns attention, vw, contribution); ``.mean()`` gives the overall."""
-    return _one(model, texts, "first_token_weight", options).first_token_weight_by_layer
-
-
-def entropy(model: LoadedModel, texts: Any, options: GeometryOptions | None = None) -> pd.DataFrame:
-    """Table 5: rows ``all`` / ``excluding_first``, columns attention, vw, contribution."""
-    return _one(model, texts, "entropy", options).entropy
-
-
-def sink_alignment(
-    model: LoadedModel, texts: Any, options: GeometryOptions | None = None
-) -> pd.DataFrame:
-    """Figure 5: per layer, mean cos(ṽ_0, ṽ_j) (``sink_tail``) and cos(ṽ_i, ṽ_j) (``tail_tail``)."""
-    return _one(model, texts, "sink_alignment", options).sink_alignment
-
-
 def sink_scaling(
     model: LoadedModel, texts: Any, options: GeometryOptions | None = None
 ) -> SinkScalingResult:
@@ -398,22 +372,51 @@ def sink_scaling(
     return res.sink_scaling
 
 
-def norm_fit(
-    model: LoadedModel, texts: Any, options: GeometryOptions | None = None
-) -> pd.DataFrame:
-    """§6.2: one row per head: γ', κ'², ‖ṽ_0‖², α_min, convexity, R²."""
-    return _one(model, texts, "norm_fit", options).norm_fit
+class TableFunction(Protocol):
+    """``f(model, texts, options=None)``: one analysis run on the texts (or token-id lists),
+    one of its tables returned."""
+
+    def __call__(
+        self, model: LoadedModel, texts: Any, options: GeometryOptions | None = None
+    ) -> pd.DataFrame: ...
 
 
-def semantic_cone(
-    model: LoadedModel, texts: Any, options: GeometryOptions | None = None
-) -> pd.DataFrame:
-    """Figure 6a/b: per layer, fractions of (low-norm) head outputs inside the cone."""
-    return _one(model, texts, "semantic_cone", options).semantic_cone
+#: the docstrings of the functions that return one table of an analysis as it is
+_TABLE_DOCS = {
+    "log_correlations": "Table 2: Pearson correlations of log α, log r, log|κ| (token group "
+    "``all``).",
+    "first_token_weight": "Table 4 per layer (columns attention, vw, contribution); "
+    "``.mean()`` gives the overall.",
+    "entropy": "Table 5: rows ``all`` / ``excluding_first``, columns attention, vw, contribution.",
+    "sink_alignment": "Figure 5: per layer, mean cos(ṽ_0, ṽ_j) (``sink_tail``) and cos(ṽ_i, "
+    "ṽ_j) (``tail_tail``).",
+    "norm_fit": "§6.2: one row per head: γ', κ'², ‖ṽ_0‖², α_min, convexity, R².",
+    "semantic_cone": "Figure 6a/b: per layer, fractions of (low-norm) head outputs inside the "
+    "cone.",
+    "joint_distributions": "Figure 7: sampled pairs with columns alpha, vnorm, kappa, layer, "
+    "first.",
+}
 
 
-def joint_distributions(
-    model: LoadedModel, texts: Any, options: GeometryOptions | None = None
-) -> pd.DataFrame:
-    """Figure 7: sampled pairs with columns alpha, vnorm, kappa, layer, first."""
-    return _one(model, texts, "joint_distributions", options).joint
+def _table_function(name: str, analysis: str, table: str) -> TableFunction:
+    """The function ``name``: runs ``analysis`` and returns ``result.<table>``."""
+
+    def run_one(
+        model: LoadedModel, texts: Any, options: GeometryOptions | None = None
+    ) -> pd.DataFrame:
+        return cast(pd.DataFrame, getattr(_one(model, texts, analysis, options), table))
+
+    run_one.__name__ = run_one.__qualname__ = name
+    run_one.__doc__ = _TABLE_DOCS[name]
+    return run_one
+
+
+log_correlations = _table_function("log_correlations", "correlations", "correlations")
+first_token_weight = _table_function(
+    "first_token_weight", "first_token_weight", "first_token_weight_by_layer"
+)
+entropy = _table_function("entropy", "entropy", "entropy")
+sink_alignment = _table_function("sink_alignment", "sink_alignment", "sink_alignment")
+norm_fit = _table_function("norm_fit", "norm_fit", "norm_fit")
+semantic_cone = _table_function("semantic_cone", "semantic_cone", "semantic_cone")
+joint_distributions = _table_function("joint_distributions", "joint_distributions", "joint")

@@ -8,7 +8,7 @@ three groups, ``tables.md`` all j.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pandas as pd
 import torch
@@ -16,18 +16,8 @@ import torch
 from ...options import GeometryOptions
 from ...sampling import Moments
 from ...stats import GROUPS, BlockView, Stat
-from ..analysis import (
-    Analysis,
-    SavedRun,
-    TableContext,
-    from_nested,
-    markdown_table,
-    nested,
-    register_analysis,
-)
-
-if TYPE_CHECKING:
-    from ..result import GeometryResult
+from ..analysis import Analysis, from_nested, markdown_table, nested, register_analysis
+from ..analysis_types import ResultView, SavedRun, TableContext
 
 LOG_NAMES = ("log_alpha", "log_r", "log_kappa")
 
@@ -106,7 +96,7 @@ class Correlations(Analysis[CorrelationTables]):
             return None
         return CorrelationTables({g: from_nested(t) for g, t in groups.items()})
 
-    def markdown(self, table: CorrelationTables, result: GeometryResult) -> list[str]:
+    def markdown(self, table: CorrelationTables, result: ResultView) -> list[str]:
         return [
             "## Correlations of log components, all tokens (Table 2)",
             "",

@@ -8,7 +8,7 @@ then over layers. ``per_layer.csv`` has the per-layer values.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pandas as pd
 import torch
@@ -16,9 +16,7 @@ import torch
 from ....measures.aggregates import entropy
 from ...stats import WEIGHT_MEASURES, BlockView, LayerMeans
 from ..analysis import LayerMeansAnalysis, markdown_table, num, register_analysis
-
-if TYPE_CHECKING:
-    from ..result import GeometryResult
+from ..analysis_types import ResultView
 
 PREFIX = "entropy:"  # its columns in per_layer.csv
 ROWS = ("all", "excluding_first")
@@ -55,16 +53,14 @@ class EntropyTables:
     mean over layers (rows all / excluding_first, columns the measures)."""
 
     entropy_by_layer: pd.DataFrame
-    entropy: pd.DataFrame
 
-    @classmethod
-    def of(cls, by_layer: pd.DataFrame) -> EntropyTables:
-        means = by_layer.mean()
-        return cls(
-            by_layer,
-            pd.DataFrame({m: [means[f"{m}:{row}"] for row in ROWS] for m in WEIGHT_MEASURES},
-                         index=list(ROWS)),
-        )  # fmt: skip
+    @property
+    def entropy(self) -> pd.DataFrame:
+        """Table 5: the mean over layers, rows all / excluding_first, columns the measures."""
+        means = self.entropy_by_layer.mean()
+        return pd.DataFrame(
+            {m: [means[f"{m}:{row}"] for row in ROWS] for m in WEIGHT_MEASURES}, index=list(ROWS)
+        )
 
 
 class EntropyAnalysis(LayerMeansAnalysis[EntropyTables]):
@@ -74,18 +70,13 @@ class EntropyAnalysis(LayerMeansAnalysis[EntropyTables]):
     attributes = ("entropy", "entropy_by_layer")
     stat = Entropy
     prefix = PREFIX
-
-    def table_from_layers(self, by_layer: pd.DataFrame) -> EntropyTables:
-        return EntropyTables.of(by_layer)
-
-    def layers_of(self, table: EntropyTables) -> pd.DataFrame:
-        return table.entropy_by_layer
+    tables = EntropyTables
 
     def to_json(self, table: EntropyTables) -> dict[str, Any]:
         t = table.entropy
         return {"entropy": {row: {m: num(t.loc[row, m]) for m in WEIGHT_MEASURES} for row in ROWS}}
 
-    def markdown(self, table: EntropyTables, result: GeometryResult) -> list[str]:
+    def markdown(self, table: EntropyTables, result: ResultView) -> list[str]:
         return ["## Entropy (Table 5)", "", markdown_table(table.entropy), ""]
 
 

@@ -8,16 +8,14 @@ layers. ``per_layer.csv`` has the per-layer values, ``tables.json`` their means.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pandas as pd
 
 from ....measures.aggregates import first_token_weight
 from ...stats import WEIGHT_MEASURES, BlockView, LayerMeans
 from ..analysis import LayerMeansAnalysis, markdown_table, num, register_analysis
-
-if TYPE_CHECKING:
-    from ..result import GeometryResult
+from ..analysis_types import ResultView
 
 PREFIX = "first_token_weight:"  # its columns in per_layer.csv
 
@@ -56,17 +54,12 @@ class FirstTokenWeightAnalysis(LayerMeansAnalysis[FirstTokenWeightTables]):
     attributes = ("first_token_weight", "first_token_weight_by_layer")
     stat = FirstTokenWeight
     prefix = PREFIX
-
-    def table_from_layers(self, by_layer: pd.DataFrame) -> FirstTokenWeightTables:
-        return FirstTokenWeightTables(by_layer)
-
-    def layers_of(self, table: FirstTokenWeightTables) -> pd.DataFrame:
-        return table.first_token_weight_by_layer
+    tables = FirstTokenWeightTables
 
     def to_json(self, table: FirstTokenWeightTables) -> dict[str, Any]:
         return {"first_token_weight": table.first_token_weight}
 
-    def markdown(self, table: FirstTokenWeightTables, result: GeometryResult) -> list[str]:
+    def markdown(self, table: FirstTokenWeightTables, result: ResultView) -> list[str]:
         mean = pd.DataFrame([table.first_token_weight], index=["E[w_0]"])
         return ["## First-token weight, mean over layers (Table 4)", "", markdown_table(mean), ""]
 

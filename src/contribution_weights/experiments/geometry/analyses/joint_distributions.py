@@ -10,7 +10,8 @@ import pandas as pd
 
 from ...options import GeometryOptions
 from ...stats import Stat
-from ..analysis import Analysis, TableContext, register_analysis, sampled_points
+from ..analysis import Analysis, register_analysis, sampled_points
+from ..analysis_types import TableContext
 
 
 class JointDistributions(Analysis[pd.DataFrame]):

@@ -21,7 +21,7 @@ says nothing about the sink. With c = 0 the null is the fit itself.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -30,19 +30,8 @@ import torch
 from ...options import GeometryOptions
 from ...sampling import Reservoir
 from ...stats import BlockView, Stat, control_token
-from ..analysis import (
-    Analysis,
-    SavedRun,
-    TableContext,
-    markdown_table,
-    num,
-    records,
-    register_analysis,
-)
-
-if TYPE_CHECKING:
-    from ..result import GeometryResult
-
+from ..analysis import Analysis, markdown_table, num, records, register_analysis
+from ..analysis_types import ResultView, SavedRun, TableContext
 
 #: what the norm-fit null puts in place of the sink
 NULL_TOKEN = "a random non-sink token per text (seeded) in place of token 0"
@@ -265,7 +254,7 @@ class NormFitAnalysis(Analysis[NormFitTables]):
     def files(self, table: NormFitTables) -> dict[str, bytes]:
         return {"norm_fit.csv": table.norm_fit.to_csv(index=False).encode()}
 
-    def markdown(self, table: NormFitTables, result: GeometryResult) -> list[str]:
+    def markdown(self, table: NormFitTables, result: ResultView) -> list[str]:
         title = ["## Output norm vs sink attention (§6.2)", ""]
         if table.null is None:
             summary = pd.DataFrame([norm_fit_summary(table.norm_fit, table.extended)])

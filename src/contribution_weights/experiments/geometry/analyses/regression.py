@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -29,18 +29,13 @@ from ...options import GeometryOptions
 from ...stats import Stat
 from ..analysis import (
     Analysis,
-    SavedRun,
-    TableContext,
     from_nested,
     markdown_table,
     nested,
     register_analysis,
     sampled_points,
 )
-
-if TYPE_CHECKING:
-    from ..result import GeometryResult
-
+from ..analysis_types import ResultView, SavedRun, TableContext
 
 Columns = Mapping[str, np.ndarray]
 FeatureFn = Callable[[Columns], list[np.ndarray]]
@@ -190,7 +185,7 @@ class Regression(Analysis[RegressionTables]):
             return None
         return RegressionTables(from_nested(lin, "features"), from_nested(log, "features"))
 
-    def markdown(self, table: RegressionTables, result: GeometryResult) -> list[str]:
+    def markdown(self, table: RegressionTables, result: ResultView) -> list[str]:
         n = ", ".join(f"{g} {c:,}" for g, c in result.points.items())
         return [
             "## Component regression, held-out R² (Table 1)",

@@ -23,7 +23,7 @@ With c = 0 a draw is the statistic itself.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -40,15 +40,14 @@ from ...stats import (
 )
 from ..analysis import (
     Analysis,
-    SavedRun,
-    TableContext,
     markdown_table,
+    null_from_json,
+    null_markdown,
+    null_to_json,
     records,
     register_analysis,
 )
-
-if TYPE_CHECKING:
-    from ..result import GeometryResult
+from ..analysis_types import ResultView, SavedRun, TableContext
 
 FRACTIONS = (
     "low_inside_with_sink",
@@ -338,13 +337,7 @@ class SemanticConeAnalysis(Analysis[SemanticConeTables]):
             "by_layer": records(c[c.index != "all"].reset_index()),
         }
         if table.null is not None:
-            n = table.null
-            out["null"] = {
-                "token": NULL_TOKEN,
-                "alternative": ALTERNATIVE,
-                "overall": records(n[n.index == "all"])[0],
-                "by_layer": records(n[n.index != "all"].reset_index()),
-            }
+            out["null"] = null_to_json(table.null, "all", NULL_TOKEN, ALTERNATIVE)
         return {"semantic_cone": out}
 
     def from_saved(self, saved: SavedRun) -> SemanticConeTables | None:
@@ -357,29 +350,21 @@ class SemanticConeAnalysis(Analysis[SemanticConeTables]):
             rows.append(data["overall"])
             index.append("all")
         table = pd.DataFrame(rows, pd.Index(index, dtype=object, name="layer"))
-        null = None
-        if data.get("null"):
-            null_rows = [*data["null"]["by_layer"], {"layer": "all", **data["null"]["overall"]}]
-            null = pd.DataFrame(null_rows).set_index("layer")
-            null.index = pd.Index(null.index, dtype=object, name="layer")
-            null = null.reindex(columns=list(NULL_COLUMNS)).astype(float)
+        null = null_from_json(data["null"], "all", NULL_COLUMNS) if data.get("null") else None
         return SemanticConeTables(table.astype(dict.fromkeys(FRACTIONS, float)), null=null)
 
-    def markdown(self, table: SemanticConeTables, result: GeometryResult) -> list[str]:
+    def markdown(self, table: SemanticConeTables, result: ResultView) -> list[str]:
         lines = ["## Semantic cone (Figure 6a/b)", "", markdown_table(table.semantic_cone), ""]
-        if table.null is None:
-            return lines
-        overall = table.null.loc["all"]
-        return [
-            *lines,
-            f"Null: the fraction inside the cone with {NULL_TOKEN}; low-norm outputs, all "
-            f"layers: {overall['low_null_mean']:.3f} ± {overall['low_null_sd']:.3f} against "
-            f"{overall['low_inside_without_sink']:.3f} without the sink (one-sided "
-            f"p = {overall['low_p_value']:.3f}).",
-            "",
-            markdown_table(table.null),
-            "",
-        ]
+        return [*lines, *null_markdown(table.null, "all", _about_null)]
+
+
+def _about_null(overall: pd.Series) -> str:
+    return (
+        f"Null: the fraction inside the cone with {NULL_TOKEN}; low-norm outputs, all "
+        f"layers: {overall['low_null_mean']:.3f} ± {overall['low_null_sd']:.3f} against "
+        f"{overall['low_inside_without_sink']:.3f} without the sink (one-sided "
+        f"p = {overall['low_p_value']:.3f})."
+    )
 
 
 register_analysis(SemanticConeAnalysis())

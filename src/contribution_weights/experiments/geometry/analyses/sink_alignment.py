@@ -18,7 +18,7 @@ the mean over layers: the null's mean ± sd and the one-sided p-value of the sin
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -38,16 +38,15 @@ from ...stats import (
 )
 from ..analysis import (
     LayerMeansAnalysis,
-    SavedRun,
-    TableContext,
     markdown_table,
+    null_from_json,
+    null_markdown,
+    null_to_json,
     num,
     records,
     register_analysis,
 )
-
-if TYPE_CHECKING:
-    from ..result import GeometryResult
+from ..analysis_types import ResultView, SavedRun, TableContext
 
 COLUMNS = ("sink_tail", "tail_tail")
 #: what the null puts in place of the sink, and the direction of its p-value
@@ -194,15 +193,10 @@ class SinkAlignmentAnalysis(LayerMeansAnalysis[SinkAlignmentTables]):
     name = "sink_alignment"
     stat = SinkAlignment  # its columns of per_layer.csv are unprefixed
     attributes = ("sink_alignment", "sink_alignment_null")
+    tables = SinkAlignmentTables
 
     def stats(self, num_layers: int, num_heads: int, options: GeometryOptions) -> dict[str, Stat]:
         return {self.name: SinkAlignment(num_layers, seed=options.seed)}
-
-    def table_from_layers(self, by_layer: pd.DataFrame) -> SinkAlignmentTables:
-        return SinkAlignmentTables(by_layer)
-
-    def layers_of(self, table: SinkAlignmentTables) -> pd.DataFrame:
-        return table.sink_alignment
 
     def attribute(self, table: SinkAlignmentTables, name: str) -> Any:
         return table.null if name == "sink_alignment_null" else table.sink_alignment
@@ -220,10 +214,7 @@ class SinkAlignmentAnalysis(LayerMeansAnalysis[SinkAlignmentTables]):
         table = super().from_saved(saved)
         data = (saved.tables.get("sink_alignment") or {}).get("null")
         if table is not None and data:
-            rows = [*data["by_layer"], {"layer": "mean", **data["overall"]}]
-            null = pd.DataFrame(rows).set_index("layer")
-            null.index = pd.Index(null.index, dtype=object, name="layer")
-            table.null = null.reindex(columns=list(NULL_COLUMNS)).astype(float)
+            table.null = null_from_json(data, "mean", NULL_COLUMNS)
         return table
 
     def to_json(self, table: SinkAlignmentTables) -> dict[str, Any]:
@@ -233,38 +224,29 @@ class SinkAlignmentAnalysis(LayerMeansAnalysis[SinkAlignmentTables]):
             "by_layer": records(frame.reset_index()),
         }
         if table.null is not None:
-            null = table.null
-            out["null"] = {
-                "token": NULL_TOKEN,
-                "alternative": ALTERNATIVE,
-                "overall": records(null.loc[["mean"]])[0],
-                "by_layer": records(null.drop(index="mean").reset_index()),
-            }
+            out["null"] = null_to_json(table.null, "mean", NULL_TOKEN, ALTERNATIVE)
         return {"sink_alignment": out}
 
-    def markdown(self, table: SinkAlignmentTables, result: GeometryResult) -> list[str]:
+    def markdown(self, table: SinkAlignmentTables, result: ResultView) -> list[str]:
         frame = table.sink_alignment
         mean = frame.mean()
-        lines = [
+        return [
             "## Sink / tail alignment (Figure 5)",
             f"Mean over layers: cos(ṽ_0, ṽ_j) = {mean['sink_tail']:.3f}, "
             f"cos(ṽ_i, ṽ_j) = {mean['tail_tail']:.3f}.",
             "",
             markdown_table(frame.join(result.sink_rate)),
             "",
+            *null_markdown(table.null, "mean", _about_null),
         ]
-        if table.null is None:
-            return lines
-        overall = table.null.loc["mean"]
-        return [
-            *lines,
-            f"Null: the same cosine with {NULL_TOKEN} (mean over j ≠ c of cos(ṽ_c, ṽ_j)); "
-            f"over layers {overall['null_mean']:.3f} ± {overall['null_sd']:.3f}, one-sided "
-            f"p = {overall['p_value']:.3f} that the sink is less aligned than a random token.",
-            "",
-            markdown_table(table.null),
-            "",
-        ]
+
+
+def _about_null(overall: pd.Series) -> str:
+    return (
+        f"Null: the same cosine with {NULL_TOKEN} (mean over j ≠ c of cos(ṽ_c, ṽ_j)); "
+        f"over layers {overall['null_mean']:.3f} ± {overall['null_sd']:.3f}, one-sided "
+        f"p = {overall['p_value']:.3f} that the sink is less aligned than a random token."
+    )
 
 
 register_analysis(SinkAlignmentAnalysis())

@@ -23,7 +23,7 @@ import math
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -37,10 +37,8 @@ from ....interventions import (
     mean_nll,
 )
 from ....loading import LoadedModel
-from ..analysis import Analysis, SavedRun, TableContext, markdown_table, records, register_analysis
-
-if TYPE_CHECKING:
-    from ..result import GeometryResult
+from ..analysis import Analysis, markdown_table, records, register_analysis
+from ..analysis_types import ResultView, SavedRun, TableContext
 
 SCALING_COLUMNS = ("gamma", "ppl_mean", "ppl_se", "nll_mean", "nll_se", "ppl_of_mean_nll", "n")
 #: what the control scales in place of the sink's value
@@ -194,7 +192,7 @@ class SinkScaling(Analysis[SinkScalingResult]):
             control = control.astype({c: float for c in SCALING_COLUMNS if c != "n"})
         return SinkScalingResult(list(data["layers"]), rows, data.get("skipped"), control)
 
-    def markdown(self, table: SinkScalingResult, result: GeometryResult) -> list[str]:
+    def markdown(self, table: SinkScalingResult, result: ResultView) -> list[str]:
         lines = ["## Sink-value scaling (Figure 6c)", f"Sink layers: {table.layers}.", ""]
         if table.skipped:
             return [*lines, f"Not run: {table.skipped}.", ""]
