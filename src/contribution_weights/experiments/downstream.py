@@ -42,7 +42,7 @@ from .options import (  # the options are light: the CLI reads them before torch
 )
 from .paired import OUTCOMES, REFERENCE, holm, mcnemar_table
 from .result import SUMMARY as SUMMARY  # re-exported: the summary file
-from .result import RowsResult, typed_frame, write_csv
+from .result import RowsResult, rows_named, typed_frame, write_csv
 from .runner import Experiment, Phase, SkipUnit, run_experiment
 
 PER_ITEM = "per_item.csv"
@@ -200,10 +200,7 @@ class DownstreamResult(RowsResult):
 
     ROWS = PER_ITEM
 
-    @property
-    def per_item(self) -> pd.DataFrame:
-        """One row per (item, measure, rate): the item's pick and its clean pick."""
-        return self.rows
+    per_item = rows_named("One row per (item, measure, rate): the item's pick and its clean pick.")
 
     def summarise_rows(self) -> pd.DataFrame:
         return summarise(self.rows, str(self.config.get("task", "task")))

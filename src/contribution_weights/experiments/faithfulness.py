@@ -41,7 +41,7 @@ from .options import (  # the options are light: the CLI reads them before torch
 )
 from .paired import METRIC, REFERENCE, paired_differences, ranking_table
 from .result import SUMMARY as SUMMARY  # re-exported: the summary file
-from .result import RowsResult, typed_frame, warn_few_samples, write_csv
+from .result import RowsResult, rows_named, typed_frame, warn_few_samples, write_csv
 from .runner import Experiment, Phase, SkipUnit, run_experiment
 
 PER_SEQUENCE = "per_sequence.csv"
@@ -135,10 +135,9 @@ class FaithfulnessResult(RowsResult):
 
     ROWS = PER_SEQUENCE
 
-    @property
-    def per_sequence(self) -> pd.DataFrame:
-        """One row per (sequence, measure, mode, rate): its NLL and PPL, clean and removed."""
-        return self.rows
+    per_sequence = rows_named(
+        "One row per (sequence, measure, mode, rate): its NLL and PPL, clean and removed."
+    )
 
     def summarise_rows(self) -> pd.DataFrame:
         return summarise(self.rows)

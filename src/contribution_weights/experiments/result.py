@@ -171,6 +171,12 @@ class RowsResult(ExperimentResult):
         return cls(cls.frame(read_csv(folder / cls.ROWS)), config, run_info)
 
 
+def rows_named(doc: str) -> Any:
+    """A :class:`RowsResult`'s rows under the name its readers know them by (``per_item``,
+    ``per_sequence``), documented with ``doc``."""
+    return property(lambda self: self.rows, doc=doc)
+
+
 def typed_frame(
     rows: Sequence[Mapping[str, Any]],
     key: str,

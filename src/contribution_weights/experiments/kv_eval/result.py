@@ -15,7 +15,7 @@ import pandas as pd
 
 from ..paired import OTHER_BETTER, REFERENCE_BETTER, TIE, difference_stats, holm, verdict
 from ..result import SUMMARY as SUMMARY  # re-exported: the summary file
-from ..result import RowsResult, write_csv
+from ..result import RowsResult, rows_named, write_csv
 from ..runner import csv_bytes, rows_so_far
 from . import tables
 from .markdown import tables_markdown
@@ -37,10 +37,9 @@ class KVEvalResult(RowsResult):
 
     ROWS = PER_ITEM
 
-    @property
-    def per_item(self) -> pd.DataFrame:
-        """One row per (item, method, ratio): the task's metric and the kept first token."""
-        return self.rows
+    per_item = rows_named(
+        "One row per (item, method, ratio): the task's metric and the kept first token."
+    )
 
     def summarise_rows(self) -> pd.DataFrame:
         if self.config["task"] == "ruler":
