@@ -28,6 +28,7 @@ from . import (
     geometry_cmd,
     measures_cmd,
     report_cmd,
+    results_cmd,
     show_cmd,
     trace_cmd,
     verify_cmd,
@@ -36,6 +37,7 @@ from . import (
 #: commands written by hand; every registered experiment gets one generated from its spec
 COMMANDS = [
     trace_cmd, show_cmd, attribute_cmd, measures_cmd, report_cmd, verify_cmd, geometry_cmd,
+    results_cmd,
 ]  # fmt: skip
 
 

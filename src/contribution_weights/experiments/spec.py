@@ -57,6 +57,9 @@ class ExperimentSpec:
         digits: significant digits of the printed summary.
         notes: a function of the result giving lines to print after the summary (e.g. that
             the texts ran out), or a ``"module:function"`` path to one.
+        result: the result type, or a ``"module:Class"`` path to it: its ``load(folder)``
+            reads a run folder back and its ``write_summary(folder)`` writes every file the
+            run derives from its rows, which ``cw results`` rebuilds (None: not rebuilt).
     """
 
     name: str
@@ -68,6 +71,7 @@ class ExperimentSpec:
     figure: str | Callable[[Any], str | None] | None = None
     digits: int = 4
     notes: str | Callable[[Any], list[str]] | None = None
+    result: str | type | None = None
 
     def __post_init__(self) -> None:
         if self.inputs not in INPUTS:
@@ -76,6 +80,10 @@ class ExperimentSpec:
     def entry_point(self) -> Callable[..., Any]:
         """The run function (imported now if given as a path)."""
         return _resolve(self.run)
+
+    def result_type(self) -> Any:
+        """The result type (imported now if given as a path), or None."""
+        return None if self.result is None else _resolve(self.result)
 
     def figure_name(self, result: Any) -> str | None:
         return self.figure(result) if callable(self.figure) else self.figure
@@ -109,6 +117,7 @@ register_experiment(
         "contribution_weights.experiments.faithfulness:faithfulness",
         batch_size=True,
         figure="faithfulness.png",
+        result="contribution_weights.experiments.faithfulness:FaithfulnessResult",
     )
 )
 
@@ -123,6 +132,7 @@ register_experiment(
         batch_size=True,
         figure="downstream.png",
         digits=3,
+        result="contribution_weights.experiments.downstream:DownstreamResult",
     )
 )
 register_experiment(
@@ -135,6 +145,7 @@ register_experiment(
         inputs="kv",
         figure=lambda result: f"kv-{'nll' if result.config['task'] == 'lm' else 'accuracy'}.png",
         notes="contribution_weights.experiments.kv_eval:shortfall",
+        result="contribution_weights.experiments.kv_eval:KVEvalResult",
     )
 )
 
@@ -149,6 +160,7 @@ register_experiment(
         batch_size=True,
         figure="attribution-eval.png",
         digits=3,
+        result="contribution_weights.experiments.attribution_eval:AttributionEvalResult",
     )
 )
 __all__ = ["EXPERIMENTS", "INPUTS", "ExperimentSpec", "register_experiment"]

@@ -1,0 +1,65 @@
+"""`cw results`: every committed run's derived files are what its rows give, byte for byte;
+a table that drifts from its rows is named by --check and rebuilt without it."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from contribution_weights.cli import main
+from contribution_weights.experiments.rebuild import differences, run_folders
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "docs" / "results"
+#: one committed run of each experiment and task (`cw results --check` checks them all)
+KINDS = [
+    "faithfulness-smollm2-fineweb-edu-512-key_mask",
+    "downstream-smollm2-boolq-200-key_mask",
+    "kv-smollm2-gsm8k-512",
+    "kv-smollm2-passkey-512",
+    "kv-renormalised-smollm2-gsm8k-512",
+    "kv-ruler-gemma3-270m-4096-keydiff-sinks",
+    "kv-ruler-smollm2-4096-vt-uncompressed",
+    "attribution-smollm2-deletion-64",
+    "attribution-gemma3-270m-passkey-128",
+]
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("name", KINDS)
+def test_a_committed_run_is_what_its_rows_give(name):
+    found = differences(RESULTS / name)
+    assert found.skipped is None and found.written, found
+    assert found.differing == [], f"rerun `cw results`: {name}: {found.differing}"
+
+
+def test_every_run_folder_is_found_and_geometry_is_passed_over_with_its_reason():
+    folders = run_folders(RESULTS)
+    assert {f.name for f in folders} >= set(KINDS)
+    geometry = next(f for f in folders if f.name.startswith("geometry-"))
+    assert "no result type" in str(differences(geometry).skipped)
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_cw_results_names_a_drifted_table_and_rebuilds_it(tmp_path, capsys):
+    run = tmp_path / "docs" / "results" / "downstream-smollm2-winogrande"
+    shutil.copytree(RESULTS / run.name, run)
+    (tmp_path / "README.md").write_text("# r\n")
+    summary = run / "summary.csv"
+    committed = summary.read_bytes()
+    summary.write_bytes(committed.replace(b"0.", b"0.9", 1))  # a number typed over
+    assert main(["results", "--check", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "differs: docs/results/downstream-smollm2-winogrande: summary.csv" in out
+    assert summary.read_bytes() != committed  # --check writes nothing
+    assert main(["results", str(tmp_path)]) == 0
+    assert summary.read_bytes() == committed
+    assert main(["results", "--check", str(tmp_path)]) == 0
+    assert "every table is what its rows give" in capsys.readouterr().out
+
+
+def test_cw_results_outside_a_repository_says_where_to_run_it(tmp_path, capsys):
+    assert main(["results", str(tmp_path)]) == 2
+    assert "run it in the repository" in capsys.readouterr().err
