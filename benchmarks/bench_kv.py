@@ -8,7 +8,8 @@ Edu item of C tokens, or a repeated text without the data), times the median of
 
 * ``prefill``: the model's own forward with a cache (its default attention, sdpa), asking
   for the last position's logits only, as :func:`contribution_weights.kv.prefill` does;
-* ``capture``: the same forward on the capture path with no observer (eager recomputed);
+* ``capture``: the same forward on the capture path with no observer (every layer on the
+  model's own kernel, as no layer is observed or changed);
 * ``scored``: :func:`contribution_weights.kv.prefill` (capture + the statistics observer:
   accumulated attention, window probabilities, window |ĉ|);
 * ``methods``: every registered method's scores and kept sets at ratio 0.5, from the stats;

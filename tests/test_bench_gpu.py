@@ -91,7 +91,7 @@ def test_gpu_summary_tables_every_case_against_its_baseline_and_target(tmp_path)
             "--kv",
             str(run / "run2-bench_kv.json"),
             "--trace",
-            str(run / "run2-bench_gpu.json"),
+            str(run / "run4-bench_gpu.json"),
             "--trace",
             str(missing),
             "--out",
@@ -106,7 +106,7 @@ def test_gpu_summary_tables_every_case_against_its_baseline_and_target(tmp_path)
     capture = rows[("capture, no observer", 32768)]
     assert capture["layers"] == 2 and capture["target"] == 1.1 and capture["meets"] is False
     assert capture["ratio"] == round(kv["capture_s"] / kv["prefill_s"], 2)
-    traced = json.loads((run / "run2-bench_gpu.json").read_text())["results"]
+    traced = json.loads((run / "run4-bench_gpu.json").read_text())["results"]
     sdpa = next(r["seconds"] for r in traced if r["method"] == "sdpa")
     triton = next(r["seconds"] for r in traced if r["method"] == "no-maps-triton")
     assert rows[("trace no-maps-triton", 8192)]["ratio"] == round(triton / sdpa, 2)

@@ -77,3 +77,12 @@ def test_a_csv_block_is_its_rows_as_a_table(tmp_path):
     )
     with pytest.raises(generated.GeneratedError, match="no column nope"):
         generated.refresh(repo)
+
+
+def test_the_front_page_and_each_docs_page_stay_readable():
+    """README ≤ 250 lines; each docs page ≤ 600 lines of hand-written text (its generated
+    blocks apart)."""
+    assert len((REPO / "README.md").read_text().splitlines()) <= 250
+    for page in sorted((REPO / "docs").glob("*.md")):
+        written = generated.handwritten_lines(page.read_text())
+        assert written <= 600, f"{page.name}: {written} hand-written lines (at most 600)"

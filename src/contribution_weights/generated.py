@@ -11,10 +11,11 @@ the repository); ``<!-- generated: PATH (table) -->`` takes only its Markdown ta
 lines that start with ``|``), leaving out a header such as the machine line of a
 benchmark. A ``.csv`` file (a run's summary) becomes a Markdown table of its rows, numbers
 to four significant digits; ``<!-- generated: PATH.csv columns=a,b,c -->`` keeps those
-columns, in that order. :func:`refresh` rewrites each block from its file; :func:`stale` names the
-pages whose blocks differ from their files, which a test checks, so no number in a marked
-block is typed by hand or drifts from its run. :func:`handwritten_lines` counts a page's
-lines outside its blocks (the docs' budget of hand-written text).
+columns, in that order. :func:`refresh` rewrites each block from its file (``cw results``
+calls it); :func:`stale` names the pages whose blocks differ from their files, which a
+test checks, so no number in a marked block is typed by hand or drifts from its run.
+:func:`handwritten_lines` counts a page's lines outside its blocks (the docs' budget of
+hand-written text).
 """
 
 from __future__ import annotations
@@ -124,28 +125,3 @@ def refresh(repo: Path) -> list[Path]:
 def handwritten_lines(text: str) -> int:
     """Lines of ``text`` outside its generated blocks (the markers count as written)."""
     return len(_BLOCK.sub(lambda m: m["open"] + m["close"], text).splitlines())
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m contribution_weights.generated [--check] [REPO]``: rewrite the stale
-    blocks (or with ``--check`` only name them, exit 1 if any) of the repository REPO
-    (default: the current folder)."""
-    import sys
-
-    args = sys.argv[1:] if argv is None else argv
-    check = "--check" in args
-    rest = [a for a in args if a != "--check"]
-    repo = Path(rest[0]) if rest else Path.cwd()
-    try:
-        pages_ = stale(repo) if check else refresh(repo)
-    except GeneratedError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    verb = "stale" if check else "rewritten"
-    for page in pages_:
-        print(f"{verb}: {page}")
-    return 1 if check and pages_ else 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
