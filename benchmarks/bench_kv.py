@@ -13,6 +13,8 @@ Edu item of C tokens, or a repeated text without the data), times the median of
 * ``scored``: :func:`contribution_weights.kv.prefill` (capture + the statistics observer:
   accumulated attention, window probabilities, window |ĉ|);
 * ``methods``: every registered method's scores and kept sets at ratio 0.5, from the stats;
+* ``scored_triton`` (with ``--triton``): the same with ``kernels="triton"``, the every-query
+  attention sums from the tiled kernels (measures/tiled.py) instead of blocks of probabilities;
 * ``windowed``: :func:`contribution_weights.kv.prefill` for the methods that read only the
   observation window (no accumulated attention): the layers run on sdpa and only the
   window's queries are eager.
@@ -62,6 +64,12 @@ def main() -> int:
     p.add_argument("--device", default="cpu", help="with --shape: where to build it")
     p.add_argument("--dtype", default="bfloat16", help="with --shape: its dtype")
     p.add_argument("--layers", type=int, default=None, help="with --shape: this many of its layers")
+    p.add_argument(
+        "--triton",
+        action="store_true",
+        help="also time kv.prefill(..., kernels='triton') (every-query sums from the tiled "
+        "kernels; Triton's interpreter on a CPU, which is slow: a GPU's row)",
+    )
     args = p.parse_args()
     contexts = [int(x) for x in args.contexts.split(",")]
     if args.shape is None and (args.device, args.dtype, args.layers) != ("cpu", "bfloat16", None):
@@ -146,6 +154,13 @@ def main() -> int:
             "windowed": windowed,
             "methods": methods,
         }
+        if args.triton:
+
+            def scored_triton(ids: Any = ids) -> Any:
+                return cw.kv.prefill(model, ids, kernels="triton")
+
+            scored_triton()  # compiled here, not in the timed rounds
+            variants["scored_triton"] = scored_triton
         t = interleaved_medians({k: synced(f) for k, f in variants.items()}, args.repeats)
         extra: dict[str, Any] = {}
         if args.shape is not None:
@@ -155,7 +170,9 @@ def main() -> int:
             }
         if cuda:
             extra["peak_mb"] = {
-                k: round(_peak_mb(variants[k]), 1) for k in ("prefill", "scored", "windowed")
+                k: round(_peak_mb(variants[k]), 1)
+                for k in ("prefill", "scored", "windowed", "scored_triton")
+                if k in variants
             }
         row = {
             "context": c,
@@ -165,6 +182,11 @@ def main() -> int:
             "observer_over_prefill": round((t["scored"] - t["capture"]) / t["prefill"], 3),
             "methods_over_prefill": round(t["methods"] / t["prefill"], 3),
             "windowed_over_prefill": round(t["windowed"] / t["prefill"], 3),
+            **(
+                {"scored_triton_over_prefill": round(t["scored_triton"] / t["prefill"], 3)}
+                if "scored_triton" in t
+                else {}
+            ),
             "window_methods": window_only,
             "scoring_overhead": round(
                 (t["scored"] - t["prefill"] + t["methods"]) / t["prefill"], 3

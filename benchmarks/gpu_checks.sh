@@ -8,8 +8,9 @@
 #      method (tests/test_kv.py::test_every_method_compresses_alike_on_a_gpu);
 #   2. benchmarks/bench_kv.py on 2 layers of the 8B-shaped model (every layer has the same
 #      shape, so the ratios to the prefill should be about those of all 32) at 8,192 and
-#      32,768 tokens: the prefill, the capture path with no observer, the scored prefill,
-#      the window-only prefill and each method's scoring;
+#      32,768 tokens: the prefill, the capture path with no observer, the scored prefill
+#      (plain, and with the tiled kernels' every-query sums), the window-only prefill and
+#      each method's scoring;
 #   3. benchmarks/bench_gpu.py on 2 layers at 8,192 tokens: sdpa, the plain no-maps trace
 #      and the tiled kernels; at 32,768 tokens sdpa and the tiled kernels (the plain path's
 #      two runs there would not fit the time limit); on the whole 32-layer model at 8,192
@@ -41,7 +42,7 @@ PY
 timeout 90 python3 -m pytest -q -p no:cacheprovider -rA tests/test_tiled.py tests/test_kv.py \
     -k "compiled_on_a_gpu or alike_on_a_gpu" 2>&1 | tee "$OUT/tests.log"
 (cd benchmarks && timeout 120 python3 bench_kv.py --shape llama-8b --layers 2 --device cuda \
-    --contexts 8192,32768 --repeats 1 --out "$OUT/bench_kv.json") 2>&1 \
+    --contexts 8192,32768 --repeats 1 --triton --out "$OUT/bench_kv.json") 2>&1 \
     | tee "$OUT/bench_kv.log"
 timeout 60 python3 benchmarks/bench_gpu.py --device cuda --layers 2 --lengths 8192 \
     --methods sdpa,no-maps,no-maps-triton --out "$OUT/trace" 2>&1 | tee "$OUT/bench_gpu.log"

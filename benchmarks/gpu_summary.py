@@ -23,6 +23,7 @@ TRACE_TARGETS = {"no-maps": 4.0, "no-maps-compiled": 4.0, "no-maps-triton": 4.0,
 KV_CASES = [  # (bench_kv.py's seconds key, the case's name, the target over the prefill)
     ("capture_s", "capture, no observer", 1.1),
     ("scored_s", "KV scoring, every method", 3.0),
+    ("scored_triton_s", "KV scoring, every method, tiled kernels", 3.0),
     ("windowed_s", "KV scoring, window methods", None),
 ]
 

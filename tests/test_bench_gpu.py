@@ -58,6 +58,7 @@ def test_bench_kv_runs_a_random_shape_on_cpu(tmp_path):
             "80",
             "--repeats",
             "1",
+            "--triton",
             "--out",
             str(out),
         ],
@@ -72,6 +73,7 @@ def test_bench_kv_runs_a_random_shape_on_cpu(tmp_path):
     )
     (row,) = result["rows"]
     assert row["context"] == 80 and row["prefill_s"] > 0
+    assert row["scored_triton_s"] > 0 and row["scored_triton_over_prefill"] > 0
     assert set(row["method_s"]) == set(cw.kv.method_names())
     assert "peak_mb" not in row  # CUDA only
     bad = subprocess.run(

@@ -53,7 +53,15 @@ from torch import Tensor, nn
 
 from ..families import FamilySpec, UnsupportedModelError, family_for
 from .edits import AttentionEdit, Intervention
-from .layer import DEFAULT_BLOCK_BYTES, BlockClosedError, LayerBlock, LayerCall, rows_per_block
+from .layer import (
+    DEFAULT_BLOCK_BYTES,
+    BlockClosedError,
+    CaptureError,
+    LayerBlock,
+    LayerCall,
+    key_range,
+    rows_per_block,
+)
 from .session import CaptureSession, Observer
 
 __all__ = [
@@ -70,6 +78,7 @@ __all__ = [
     "capturing",
     "check_all_layers_seen",
     "ensure_registered",
+    "key_range",
     "rows_per_block",
 ]
 
@@ -79,10 +88,6 @@ _ACTIVE: contextvars.ContextVar[CaptureSession | None] = contextvars.ContextVar(
     "contribution_weights_session", default=None
 )
 _registered = False
-
-
-class CaptureError(RuntimeError):
-    """The model did not run its attention through the capture function."""
 
 
 def _layer_index(module: nn.Module) -> int:

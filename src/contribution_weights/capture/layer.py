@@ -18,6 +18,11 @@ from ..measures.layer import LayerTensors
 DEFAULT_BLOCK_BYTES = 32 * 1024**2
 
 
+class CaptureError(RuntimeError):
+    """The model did not run its attention through the capture function, or ran it in a
+    way capture cannot follow."""
+
+
 class Session(Protocol):
     """What a :class:`LayerCall` asks of its capture session."""
 
@@ -65,6 +70,18 @@ class LayerCall:
     def row_blocks(self) -> list[slice]:
         step = rows_per_block(self.batch * self.num_heads, self.k_len, self.session.block_bytes)
         return [slice(s, min(self.q_len, s + step)) for s in range(0, self.q_len, step)]
+
+    def mask_blocks(self) -> list[slice]:
+        """Blocks of query rows whose ``(B, rows, keys)`` masks stay within the session's
+        ``block_bytes`` (a mask row per batch row, where a block of scores has one per head)."""
+        step = rows_per_block(self.batch, self.k_len, self.session.block_bytes)
+        return [slice(s, min(self.q_len, s + step)) for s in range(0, self.q_len, step)]
+
+    def key_ranges(self) -> tuple[Tensor, Tensor]:
+        """Every query's ``[start, stop)`` of keys (``(Tq,)`` int32 each, batch row 0), read
+        off the mask block by block: what the tiled kernels take."""
+        ranges = [key_range(self.valid(rows)[0], self.layer_idx) for rows in self.mask_blocks()]
+        return torch.cat([r[0] for r in ranges]), torch.cat([r[1] for r in ranges])
 
     def _expanded(self, x: Tensor) -> Tensor:
         rep = self.num_heads // self.num_kv_heads
@@ -208,6 +225,23 @@ class LayerCall:
             gram=gram,
             head_states=states,
         )
+
+
+def key_range(valid: Tensor, layer: int) -> tuple[Tensor, Tensor]:
+    """Per query of ``valid`` ``(I, K)``, the first and one-past-last key it may attend to;
+    the keys between must all be allowed (causal and sliding-window masks are; others are
+    refused)."""
+    t = valid.shape[-1]
+    count = valid.sum(-1)
+    start = valid.int().argmax(-1)
+    stop = t - valid.flip(-1).int().argmax(-1)
+    stop = torch.where(count > 0, stop, start)
+    if not bool((stop - start == count).all()):
+        raise CaptureError(
+            f"layer {layer}: some query attends to keys that are not one contiguous range "
+            "(a padded or packed batch?); trace one unpadded sequence at a time"
+        )
+    return start.to(torch.int32), stop.to(torch.int32)
 
 
 def _take_rows(x: Tensor, batch: Tensor | None) -> Tensor:

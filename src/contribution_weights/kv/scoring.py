@@ -88,7 +88,11 @@ class StatsObserver:
         window: int = WINDOW,
         needs: Iterable[str] = STATISTICS,
         windows: Iterable[int] = (),
+        kernels: str = "torch",
     ) -> None:
+        if kernels not in ("torch", "triton"):
+            raise ValueError(f"kernels must be 'torch' or 'triton', not {kernels!r}")
+        self.kernels = kernels
         if window < 1:
             raise ValueError(f"window must be at least 1 query, got {window}")
         self.layers = layers
@@ -109,12 +113,48 @@ class StatsObserver:
         window = min(self.window, call.q_len) if self.reads_window else 1
         return slice(call.q_len - window, call.q_len)
 
+    def tiled(self, call: LayerCall) -> bool:
+        """Whether the layer's every-query attention sums come from the tiled kernels
+        (``kernels="triton"``, one sequence, no earlier cache): no block of probabilities
+        is built for them, only the window's rows are computed eagerly."""
+        return (
+            self.kernels == "triton"
+            and "attn_sum" in self.needs
+            and call.layer_idx in self.layers
+            and call.batch == 1
+            and call.q_len == call.k_len
+        )
+
+    def observe_layer(self, call: LayerCall) -> Tensor:
+        """The layer whole: Σ_i α_ij from the tiled kernels (the column sums of
+        ``attention``), the window's statistics from its rows as :meth:`observe` computes
+        them; returns the head states ``(H, T, d_h)`` (float32) the layer outputs."""
+        from ..measures.tiled import TiledLayer
+
+        start, stop = call.key_ranges()
+        w_o, b_o, gram = call.output_blocks(torch.float32)
+        layer = TiledLayer(
+            call.query[0], call.key[0], call.value[0], start, stop, call.scaling,
+            call.softcap, w_o, b_o, gram,
+        )  # fmt: skip
+        sums, _ = layer.sums("attention", 0)
+        window = min(self.window, call.q_len) if self.reads_window else 1
+        rows = slice(call.q_len - window, call.q_len)
+        view = LayerBlock(call, rows, call.probs(rows))
+        try:
+            self.observe(view, attn_sum=sums.col[None])
+        finally:
+            view.close()
+        return layer.z
+
     @property
     def reads_window(self) -> bool:
         """Whether the window's query rows are needed at all."""
         return bool(self.needs & {*_FROM_BLOCK, "window_probs", "window_queries"})
 
-    def observe(self, view: LayerBlock) -> None:
+    def observe(self, view: LayerBlock, attn_sum: Tensor | None = None) -> None:
+        """Fold a block of queries in; ``attn_sum``: the whole layer's Σ_i α_ij ``(B, H, T)``
+        where the tiled kernels gave it (the block then adds only its window rows)."""
         call, rows, probs = view.call, view.rows, view.probs
         if call.layer_idx not in self.layers:
             return
@@ -128,7 +168,9 @@ class StatsObserver:
                 b, h, t = call.batch, call.num_heads, call.k_len
                 part.attn_sum = torch.zeros(b, h, t, dtype=dtype, device=probs.device)
             self.partial[call.layer_idx] = part
-        if part.attn_sum is not None:
+        if attn_sum is not None and part.attn_sum is not None:
+            part.attn_sum += attn_sum.to(dtype)
+        elif part.attn_sum is not None:
             part.attn_sum += probs.detach().to(dtype).sum(2)
         window = min(self.window, call.q_len)
         start = max(rows.start, call.q_len - window)
@@ -229,12 +271,17 @@ def prefill(
     *,
     seed: int = 0,
     methods: Iterable[str | Method] | None = None,
+    kernels: str = "torch",
 ) -> Prefill:
     """Run ``ids`` ``(T,)`` or ``(B, T)`` through the model, keeping its cache and the
     statistics that ``methods`` need (default: every registered method), in one pass.
 
     ``window`` is the observation window (the last queries whose attention and
     contribution are kept); a method with a window of its own reads its last queries.
+    ``kernels="triton"``: the methods that sum every query's attention (H2O, VATP,
+    observed attention) read those sums from the tiled kernels (``measures/tiled.py``,
+    float32, no block of probabilities), so their layers cost about three attention
+    products instead of the eager pass; the window's rows stay eager. For one sequence.
     """
     if ids.dim() == 1:
         ids = ids[None]
@@ -249,9 +296,17 @@ def prefill(
                 f"method {m.name!r} reads the last {m.window_queries} queries but the "
                 f"observation window is {window}; prefill with window={m.window_queries}"
             )
+    if kernels == "triton":
+        from ..measures.tiled import available
+
+        problem = available()
+        if problem is not None:
+            raise ValueError(f"{problem}; or prefill with kernels='torch'")
     net = model.model
     layers = set(range(model.num_layers)) - _sliding_layer_ids(model)
-    observer = StatsObserver(layers, window, needs, {w for w in windows if w is not None})
+    observer = StatsObserver(
+        layers, window, needs, {w for w in windows if w is not None}, kernels=kernels
+    )
     ids = ids.to(net.device)
     with torch.no_grad(), capturing(net, observers=[observer]) as session:
         out = net(input_ids=ids, use_cache=True, **model.last_logits_only())

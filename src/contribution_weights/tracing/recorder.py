@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..capture import LayerBlock, LayerCall, rows_per_block
+from ..capture import LayerBlock, LayerCall, key_range
 from ..measures.kernels import BlockSums, compiled_measure_sums, deriver
 from ..measures.layer import Factors, LayerVectors
 from ..measures.reductions import (
@@ -84,7 +84,7 @@ class TraceRecorder:
         keys = view.key_range
         k0 = keys.start
         lt = view.tensors(self.dtype)  # shared with any other observer of the block
-        start, stop = _key_range(lt.valid[0], call.layer_idx, rows)
+        start, stop = key_range(lt.valid[0], call.layer_idx)
         v = self.vectors
         v["key_start"][pos, rows] = start + k0
         v["key_stop"][pos, rows] = stop + k0
@@ -145,7 +145,7 @@ class TraceRecorder:
         pos = self._position[call.layer_idx]
         if not self.vectors:
             self._allocate(call)
-        start, stop = _key_ranges(call)
+        start, stop = call.key_ranges()
         w_o, b_o, gram = call.output_blocks(torch.float32)
         layer = TiledLayer(
             call.query[0], call.key[0], call.value[0], start, stop, call.scaling,
@@ -159,7 +159,7 @@ class TraceRecorder:
             if isinstance(measure.algebra, RankOne):
                 key_f = measure.algebra.key_factor(layer.vectors)[0]
                 query_f = measure.algebra.query_factor(layer.vectors)[0]
-                for rows in _row_blocks(call):
+                for rows in call.mask_blocks():
                     valid = call.valid(rows)[0]
                     red.add_rank_one(name, pos, rows.start, key_f, query_f[rows], valid, 0)
                 continue
@@ -310,34 +310,3 @@ def _top(name: str, basis: list[str], f: Factors, sums: BlockSums, k: int) -> tu
     a = (w.abs() if signed else w).masked_fill(~inside, -1.0)
     pick = torch.topk(a, k, dim=-1).indices
     return cols.gather(-1, pick), w.gather(-1, pick)
-
-
-def _row_blocks(call: LayerCall) -> list[slice]:
-    """Blocks of query rows whose ``(B, rows, keys)`` masks stay within the session's
-    ``block_bytes`` (a mask row per batch row, where a block of scores has one per head)."""
-    step = rows_per_block(call.batch, call.k_len, call.session.block_bytes)
-    return [slice(s, min(call.q_len, s + step)) for s in range(0, call.q_len, step)]
-
-
-def _key_ranges(call: LayerCall) -> tuple[Tensor, Tensor]:
-    """Every query's ``[start, stop)`` of keys, read off the mask block by block."""
-    ranges = [_key_range(call.valid(rows)[0], call.layer_idx, rows) for rows in _row_blocks(call)]
-    return torch.cat([r[0] for r in ranges]), torch.cat([r[1] for r in ranges])
-
-
-def _key_range(valid: Tensor, layer: int, rows: slice) -> tuple[Tensor, Tensor]:
-    """Per query, the first and one-past-last key it may attend to; the keys between must
-    all be allowed (causal and sliding-window masks are; others are refused)."""
-    t = valid.shape[-1]
-    count = valid.sum(-1)
-    start = valid.int().argmax(-1)
-    stop = t - valid.flip(-1).int().argmax(-1)
-    stop = torch.where(count > 0, stop, start)
-    if not bool((stop - start == count).all()):
-        from ..capture import CaptureError
-
-        raise CaptureError(
-            f"layer {layer}: some query attends to keys that are not one contiguous range "
-            "(a padded or packed batch?); trace one unpadded sequence at a time"
-        )
-    return start.to(torch.int32), stop.to(torch.int32)
