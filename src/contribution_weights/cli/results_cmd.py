@@ -6,18 +6,20 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from .common import add_command
 
 #: the command's line in ``cw --help``, and the text atop its own ``--help``
-HELP = "rebuild the results tables from their runs' rows, and the docs' tables from them"
-DESCRIPTION = """Every run folder under DIR/docs/results: its summaries, paired tests and
-tables.md are written again from its rows (what the units computed), as the run wrote them
-when it ended; then every table of the README and docs/ marked `<!-- generated: FILE -->`
-is copied again from its file. With --check nothing is written: the files and pages that
-differ are named, and the exit status is 1 if there are any (0: every table is what its
-rows give). Folders of experiments whose rows are not kept (geometry's accumulator state)
-are named and passed over."""
+HELP = "rebuild the results tables and figures from their runs' rows, and the docs' tables"
+DESCRIPTION = """Every run folder under DIR/docs/results: its summaries, paired tests,
+tables.md and figure are written again from its rows (what the units computed), as the
+run wrote them when it ended; then every table of the README and docs/ marked
+`<!-- generated: FILE -->` is copied again from its file. With --check nothing is written:
+the files and pages that differ are named, and the exit status is 1 if there are any (0:
+every table is what its rows give). Geometry's folders are rebuilt from their tables.json
+(their accumulator state is not kept); folders of experiments without a result type are
+named and passed over."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -40,10 +42,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"cw results: {root} is not a folder; run it in the repository", file=sys.stderr)
         return 2
     step = differences if args.check else rebuild
+    draw = _draw
     stale = 0
     passed_over: dict[str, int] = {}  # why -> how many folders
     for folder in bar(run_folders(root), desc="run folders", unit="folder"):
-        found = step(folder)
+        found = step(folder, draw)
         if found.skipped is not None:
             passed_over[found.skipped] = passed_over.get(found.skipped, 0) + 1
         elif found.differing:
@@ -62,3 +65,24 @@ def run(args: argparse.Namespace) -> int:
     if not stale and not pages:
         print("every table is what its rows give")
     return 1 if args.check and (stale or pages) else 0
+
+
+def _draw(name: str, result: Any, into: Path) -> None:
+    """The run's figures (and geometry's tables.md), as its command draws them."""
+    from ..experiments.spec import EXPERIMENTS
+    from ..presentation.figures import plot
+
+    if name == "geometry":  # as cw geometry titles and writes them
+        from ..presentation.geometry_plots import write_figures, write_markdown
+
+        config = result.config
+        title = (
+            f"{config.get('model')} on {config.get('source')} ({result.sequences} texts, "
+            f"≤{config.get('max_tokens')} tokens)"
+        )
+        write_markdown(result, into / "tables.md", title)
+        write_figures(result, into, title=str(config.get("model")))
+        return
+    figure = EXPERIMENTS.get(name).figure_name(result)
+    if figure is not None:
+        plot(result, into / figure)
