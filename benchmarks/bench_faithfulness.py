@@ -18,6 +18,16 @@ On SmolLM2-135M (float32) and FineWeb-Edu texts of at least T tokens (from
   model loaded, all units, merge) and from the wall clock of the whole command
   (interpreter start and model load included).
 
+On a GPU, ``--shape llama-8b --device cuda --layers 2`` times the sweep alone (no
+command-line runs, no data) on a model of Llama-3.1-8B's shape with random bfloat16 weights
+and random ids (``benchmarks/bench_gpu.py`` builds it), with the default options (80
+configurations and the clean row), against plain forwards of the same batches with the
+model's eager and sdpa attention, synchronising the device after each; ``--shape tiny
+--device cpu`` runs the same code on a tiny model (the tests do)::
+
+    python benchmarks/bench_faithfulness.py --shape llama-8b --device cuda --layers 2 \
+        --tokens 512 --repeats 2 --out gpu-out/faithfulness
+
 Every process runs one thread (``OMP_NUM_THREADS=1``): on a shared machine two OpenMP
 threads of one process spin-wait on each other, while two processes of one thread each
 share the cores cleanly. Results go to ``DIR/results.json``.
@@ -53,8 +63,11 @@ def texts_of_length(model, tokens: int, n: int) -> list[list[int]]:
     raise SystemExit(f"fewer than {n} FineWeb-Edu texts have {tokens} tokens")
 
 
-def sweep_vs_eager(model, ids, options, repeats: int) -> dict[str, float]:
-    """Seconds of one sequence's sweep and of a plain eager forward of the same batch."""
+def sweep_vs_eager(
+    model, ids, options, repeats: int, baselines: tuple[str, ...] = ("eager",)
+) -> dict[str, float]:
+    """Seconds of one sequence's sweep and of plain forwards of the same batch, with each
+    attention implementation of ``baselines`` (``eager``, ``sdpa``)."""
     import torch
 
     from contribution_weights.experiments.faithfulness import sequence_rows
@@ -64,10 +77,22 @@ def sweep_vs_eager(model, ids, options, repeats: int) -> dict[str, float]:
     rows = len(options.removals()) + 1
     chunk = auto_batch_size(model, seq.numel(), DEFAULT_MEMORY_BYTES)
 
+    cuda = model.device.type == "cuda"
+
+    def synced(fn):
+        def call() -> None:
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+
+        return call
+
+    @synced
     def sweep() -> None:
         sequence_rows(model, seq, options)
 
-    def eager() -> None:
+    @synced
+    def plain() -> None:
         batch = seq[None].expand(rows, -1)
         with torch.no_grad():
             for start in range(0, rows, chunk):
@@ -78,26 +103,34 @@ def sweep_vs_eager(model, ids, options, repeats: int) -> dict[str, float]:
                     logp.gather(-1, part[b, 1:, None])
 
     previous = model.model.config._attn_implementation
-    model.model.set_attn_implementation("eager")
+    times: dict[str, list[float]] = {"sweep": [], **{name: [] for name in baselines}}
+    sweep()  # warm-up
     try:
-        times: dict[str, list[float]] = {"sweep": [], "eager": []}
-        for fn in (sweep, eager):  # warm-up
-            fn()
-        for _ in range(repeats):
-            for name, fn in (("sweep", sweep), ("eager", eager)):
+        for name in baselines:
+            model.model.set_attn_implementation(name)
+            plain()  # warm-up
+        for _ in range(repeats):  # interleaved, so load drift hits all alike
+            model.model.set_attn_implementation(previous)
+            start = time.perf_counter()
+            sweep()
+            times["sweep"].append(time.perf_counter() - start)
+            for name in baselines:
+                model.model.set_attn_implementation(name)
                 start = time.perf_counter()
-                fn()
+                plain()
                 times[name].append(time.perf_counter() - start)
     finally:
         model.model.set_attn_implementation(previous)
-    sweep_s, eager_s = (statistics.median(times[k]) for k in ("sweep", "eager"))
-    return {
+    median = {name: statistics.median(t) for name, t in times.items()}
+    out: dict[str, float] = {
         "rows_per_sequence": rows,
         "rows_per_forward": min(chunk, rows),
-        "sweep_seconds": round(sweep_s, 3),
-        "eager_forward_seconds": round(eager_s, 3),
-        "sweep_over_eager": round(sweep_s / eager_s, 3),
+        "sweep_seconds": round(median["sweep"], 4),
     }
+    for name in baselines:
+        out[f"{name}_forward_seconds"] = round(median[name], 4)
+        out[f"sweep_over_{name}"] = round(median["sweep"] / median[name], 3)
+    return out
 
 
 def cli_run(args: list[str], processes: int, out: Path) -> dict[str, float]:
@@ -131,7 +164,16 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3, help="sweep/eager timings (median)")
     p.add_argument("--model", default=None)
     p.add_argument("--out", type=Path, default=None, help="write results.json here")
+    p.add_argument(
+        "--shape", choices=["llama-8b", "tiny"], default=None,
+        help="the sweep alone on a random model of this shape (default options, random ids)",
+    )  # fmt: skip
+    p.add_argument("--device", default="cpu", help="with --shape: where to build it")
+    p.add_argument("--dtype", default="bfloat16", help="with --shape: its dtype")
+    p.add_argument("--layers", type=int, default=None, help="with --shape: this many of its layers")
     args = p.parse_args()
+    if args.shape is not None:
+        return shaped(args)
     data_dir()  # $CW_DATA_DIR, checked
 
     import torch
@@ -175,6 +217,40 @@ def main() -> int:
     report["by_tokens"] = by_tokens
     report["load_average_at_end"] = os.getloadavg()
     print(json.dumps(report, indent=2))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.json").write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def shaped(args: argparse.Namespace) -> int:
+    """The sweep of one random text per length on a random model of ``--shape``, against
+    plain eager and sdpa forwards of the same batches."""
+    import torch
+    from bench_gpu import build_model  # beside this script
+
+    from contribution_weights.experiments.faithfulness import FaithfulnessOptions
+
+    model = build_model(args.shape == "tiny", args.device, args.dtype, args.layers)
+    rows = []
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        gen = torch.Generator().manual_seed(tokens)
+        ids = torch.randint(3, model.config.vocab_size, (tokens,), generator=gen).tolist()
+        options = FaithfulnessOptions(max_tokens=tokens)  # the defaults: 80 configurations
+        ratio = sweep_vs_eager(model, ids, options, args.repeats, ("eager", "sdpa"))
+        rows.append({"tokens": tokens, **ratio})
+        print(json.dumps(rows[-1]), flush=True)
+    report = {
+        "model": model.name,
+        "layers": model.config.num_hidden_layers,
+        "dtype": args.dtype,
+        "machine": torch.cuda.get_device_name()
+        if model.device.type == "cuda"
+        else platform.machine(),
+        "torch": torch.__version__,
+        "repeats": args.repeats,
+        "rows": rows,
+    }
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "results.json").write_text(json.dumps(report, indent=2))

@@ -15,9 +15,12 @@
 #      and the tiled kernels; at 32,768 tokens sdpa and the tiled kernels (the plain path's
 #      two runs there would not fit the time limit); on the whole 32-layer model at 8,192
 #      tokens sdpa and the tiled kernels (peak memory: does it fit one 80 GB GPU);
-#   4. benchmarks/gpu_summary.py: the one table of every case against its baseline of the
+#   4. benchmarks/bench_faithfulness.py --shape llama-8b on 2 layers: one 512-token text's
+#      sweep (80 configurations and the clean row) against plain eager and sdpa forwards
+#      of the same batches;
+#   5. benchmarks/gpu_summary.py: the one table of every case against its baseline of the
 #      same run and its target, summary.json and summary.md (the README quotes it);
-#   5. with PROFILE=1 only, the tiled kernels' row again under torch.profiler
+#   6. with PROFILE=1 only, the tiled kernels' row again under torch.profiler
 #      (bench_gpu.py --profile): the kernels' and operators' table, heaviest GPU time first.
 #
 # Results go to $OUT (default gpu-out/): logs, bench_kv.json, trace*/ and whole/
@@ -41,17 +44,21 @@ print("gpu", torch.cuda.get_device_name() if torch.cuda.is_available() else None
 PY
 timeout 90 python3 -m pytest -q -p no:cacheprovider -rA tests/test_tiled.py tests/test_kv.py \
     -k "compiled_on_a_gpu or alike_on_a_gpu" 2>&1 | tee "$OUT/tests.log"
-(cd benchmarks && timeout 120 python3 bench_kv.py --shape llama-8b --layers 2 --device cuda \
+(cd benchmarks && timeout 110 python3 bench_kv.py --shape llama-8b --layers 2 --device cuda \
     --contexts 8192,32768 --repeats 1 --triton --out "$OUT/bench_kv.json") 2>&1 \
     | tee "$OUT/bench_kv.log"
 timeout 60 python3 benchmarks/bench_gpu.py --device cuda --layers 2 --lengths 8192 \
     --methods sdpa,no-maps,no-maps-triton --out "$OUT/trace" 2>&1 | tee "$OUT/bench_gpu.log"
-timeout 100 python3 benchmarks/bench_gpu.py --device cuda --layers 2 --lengths 32768 \
+timeout 90 python3 benchmarks/bench_gpu.py --device cuda --layers 2 --lengths 32768 \
     --methods sdpa,no-maps-triton --out "$OUT/trace-32k" 2>&1 | tee "$OUT/bench_gpu-32k.log"
-timeout 100 python3 benchmarks/bench_gpu.py --device cuda --lengths 8192 \
+timeout 90 python3 benchmarks/bench_gpu.py --device cuda --lengths 8192 \
     --methods sdpa,no-maps-triton --out "$OUT/whole" 2>&1 | tee "$OUT/bench_gpu-whole.log"
+(cd benchmarks && timeout 40 python3 bench_faithfulness.py --shape llama-8b --device cuda \
+    --layers 2 --tokens 512 --repeats 2 --out "$OUT/faithfulness") 2>&1 \
+    | tee "$OUT/bench_faithfulness.log"
 python3 benchmarks/gpu_summary.py --kv "$OUT/bench_kv.json" --trace "$OUT/trace/bench_gpu.json" \
-    --trace "$OUT/trace-32k/bench_gpu.json" --trace "$OUT/whole/bench_gpu.json" --out "$OUT"
+    --trace "$OUT/trace-32k/bench_gpu.json" --trace "$OUT/whole/bench_gpu.json" \
+    --faithfulness "$OUT/faithfulness/results.json" --out "$OUT"
 if [ "${PROFILE:-0}" = 1 ]; then
     timeout 90 python3 benchmarks/bench_gpu.py --device cuda --layers 2 --lengths 8192 \
         --methods no-maps-triton --profile --out "$OUT/profile" 2>&1 | tee "$OUT/profile.log"

@@ -1,10 +1,12 @@
 """The GPU checks' one table: every timed case against its baseline and its target.
 
-Reads what ``benchmarks/gpu_checks.sh`` wrote (``bench_kv.py``'s JSON and one or more of
-``bench_gpu.py``'s) and writes ``summary.json`` and ``summary.md``: per case, the tokens,
-the layers of the 8B-shaped model that ran, the wall time, the baseline measured in the
-same run (the sdpa forward of the same layers and tokens; the prefill for the KV rows), the
-ratio, the target, whether the target is met, and the peak memory above the model.
+Reads what ``benchmarks/gpu_checks.sh`` wrote (``bench_kv.py``'s JSON, one or more of
+``bench_gpu.py``'s and ``bench_faithfulness.py --shape``'s) and writes ``summary.json``
+and ``summary.md``: per case, the tokens, the layers of the 8B-shaped model that ran, the
+wall time, the baseline measured in the same run (the sdpa forward of the same layers and
+tokens; the prefill for the KV rows; plain sdpa forwards of the same batches for the
+faithfulness sweep), the ratio, the target, whether the target is met, and the peak memory
+above the model.
 
     python benchmarks/gpu_summary.py --kv gpu-out/bench_kv.json \\
         --trace gpu-out/trace/bench_gpu.json --trace gpu-out/whole/bench_gpu.json --out gpu-out
@@ -87,6 +89,17 @@ def kv_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def faithfulness_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """bench_faithfulness.py --shape: one text's sweep against plain sdpa forwards of the
+    same batches."""
+    rows = []
+    for r in result["rows"]:
+        case = f"faithfulness sweep, one text ({r['rows_per_sequence'] - 1} configurations)"
+        seconds, base = r["sweep_seconds"], r["sdpa_forward_seconds"]
+        rows.append(_row(case, r["tokens"], result.get("layers"), seconds, base, target=2.0))
+    return rows
+
+
 def markdown(rows: list[dict[str, Any]], machine: str) -> str:
     lines = [
         f"Machine: {machine}",
@@ -114,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kv", type=Path, default=None, help="bench_kv.py's JSON")
     p.add_argument("--trace", type=Path, action="append", default=[], help="bench_gpu.py's JSON")
+    p.add_argument(
+        "--faithfulness", type=Path, default=None, help="bench_faithfulness.py --shape's JSON"
+    )
     p.add_argument("--out", type=Path, required=True, help="folder for summary.json/.md")
     args = p.parse_args(argv)
     rows: list[dict[str, Any]] = []
@@ -133,6 +149,13 @@ def main(argv: list[str] | None = None) -> int:
             rows += kv_rows(result)
         else:
             missing.append(str(args.kv))
+    if args.faithfulness is not None:
+        if args.faithfulness.exists():
+            result = json.loads(args.faithfulness.read_text())
+            machines.append(f"{result.get('machine', '')}, torch {result.get('torch', '')}")
+            rows += faithfulness_rows(result)
+        else:
+            missing.append(str(args.faithfulness))
     machine = "; ".join(dict.fromkeys(m for m in machines if m)) or "unknown"
     args.out.mkdir(parents=True, exist_ok=True)
     summary = {"machine": machine, "rows": rows, "missing": missing}

@@ -115,3 +115,29 @@ def test_gpu_summary_tables_every_case_against_its_baseline_and_target(tmp_path)
     assert ("trace sdpa", 8192) not in rows
     text = (tmp_path / "summary.md").read_text()
     assert "| capture, no observer | 32768 | 2 |" in text and str(missing) in text
+
+
+def test_bench_faithfulness_times_the_sweep_of_a_random_shape_and_the_summary_rows_it(tmp_path):
+    """bench_faithfulness.py --shape: one text's sweep (the default 80 configurations and
+    the clean row) against plain eager and sdpa forwards of the same batches, no data; the
+    summary judges it against sdpa."""
+    script = BENCH.parent / "bench_faithfulness.py"
+    out = tmp_path / "faithfulness"
+    args = ["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--tokens", "40"]
+    run = subprocess.run(
+        [sys.executable, str(script), *args, "--repeats", "1", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=BENCH.parent,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    (row,) = json.loads((out / "results.json").read_text())["rows"]
+    assert row["tokens"] == 40 and row["rows_per_sequence"] == 81
+    assert row["sweep_seconds"] > 0 and row["sdpa_forward_seconds"] > 0
+    summary = load_benchmark("gpu_summary")
+    assert summary.main(["--faithfulness", str(out / "results.json"), "--out", str(tmp_path)]) == 0
+    (case,) = json.loads((tmp_path / "summary.json").read_text())["rows"]
+    assert case["case"] == "faithfulness sweep, one text (80 configurations)"
+    assert case["target"] == 2.0 and case["layers"] == 2
+    assert case["ratio"] == round(row["sweep_seconds"] / row["sdpa_forward_seconds"], 2)
