@@ -78,7 +78,6 @@ def main() -> int:
         p.error(f"--layers must be at least 1, got {args.layers}")
 
     import torch
-    import transformers
 
     import contribution_weights as cw
     from contribution_weights.capture import capturing
@@ -112,7 +111,12 @@ def main() -> int:
         return call
 
     last = model.last_logits_only()  # the last position's logits, as kv.prefill asks
-    rows = []
+    rows: list[dict[str, Any]] = []
+
+    def write(rows: list[dict[str, Any]]) -> None:
+        if args.out is not None:
+            args.out.write_text(json.dumps(_result(args, model, rows), indent=2))
+
     for c in contexts:
         ids = all_ids[None, :c].to(model.device)
 
@@ -195,7 +199,18 @@ def main() -> int:
         }
         rows.append(row)
         print(json.dumps(row))
-    result = {
+        write(rows)  # after each context: a time limit at the next keeps this one
+    return 0
+
+
+def _result(args: argparse.Namespace, model: Any, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    import contribution_weights as cw
+
+    cuda = model.device.type == "cuda"
+    return {
         "model": model.name,
         "dtype": str(model.model.dtype),
         "threads": torch.get_num_threads(),
@@ -209,9 +224,6 @@ def main() -> int:
         "window": cw.kv.methods.WINDOW,
         "rows": rows,
     }
-    if args.out is not None:
-        args.out.write_text(json.dumps(result, indent=2))
-    return 0
 
 
 def _peak_mb(fn: Any) -> float:

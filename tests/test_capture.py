@@ -483,3 +483,41 @@ def test_the_library_observers_share_one_layer_tensors_per_block(monkeypatch):
         got = together[2].stats(0)[layer]
         assert torch.equal(got.window_contribution, stats.window_contribution)
         assert torch.equal(got.projected_value_norm, stats.projected_value_norm)
+
+
+class _Layer0:
+    """A test observer that wants layer 0 only and records what it is shown."""
+
+    def __init__(self) -> None:
+        self.observed: set[int] = set()
+        self.skipped_layers: set[int] = set()
+
+    def wants(self, layer_idx: int) -> bool:
+        return layer_idx == 0
+
+    def observe(self, view: LayerBlock) -> None:
+        self.observed.add(view.layer_idx)
+
+    def skipped(self, call: LayerCall) -> None:
+        self.skipped_layers.add(call.layer_idx)
+
+
+@pytest.mark.parametrize("kernel", [None, "eager"])
+def test_an_observer_is_shown_only_the_layers_it_wants_on_every_path(kernel):
+    """On sdpa (the default) and on the eager path (kernel="eager") alike, a layer the
+    observer does not want is not shown to it, and it is told the layer was skipped."""
+    model = tiny_model("llama").model
+    obs = _Layer0()
+    with torch.no_grad(), capturing(model, [obs], kernel=kernel):
+        model(input_ids=IDS[None], use_cache=False)
+    layers = set(range(model.config.num_hidden_layers))
+    assert obs.observed == {0} and obs.skipped_layers == layers - {0}
+
+
+def test_a_nested_capture_keeps_the_outer_kernel():
+    model = tiny_model("llama").model
+    with torch.no_grad():
+        eager = eager_logits(model, IDS[None])
+        with capturing(model, kernel="eager"), capturing(model) as inner:
+            got = model(input_ids=IDS[None], use_cache=False).logits
+    assert inner.kernel == "eager" and torch.equal(got, eager)

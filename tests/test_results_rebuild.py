@@ -68,3 +68,25 @@ def test_cw_results_names_a_drifted_table_and_rebuilds_it(tmp_path, capsys):
 def test_cw_results_outside_a_repository_says_where_to_run_it(tmp_path, capsys):
     assert main(["results", str(tmp_path)]) == 2
     assert "run it in the repository" in capsys.readouterr().err
+
+
+def test_cw_results_names_a_folder_it_cannot_read_back_and_checks_the_others(tmp_path, capsys):
+    repo = tmp_path / "parts" / "repo"  # a folder named parts above the repository is fine
+    good = repo / "docs" / "results" / "downstream-smollm2-winogrande"
+    shutil.copytree(RESULTS / good.name, good)
+    (repo / "README.md").write_text("# r\n")
+    broken = repo / "docs" / "results" / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    empty = repo / "docs" / "results" / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text('{"experiment": "faithfulness"}')  # and no rows
+    assert main(["results", "--check", str(repo)]) == 2
+    err = capsys.readouterr().err
+    assert "broken/config.json is not valid JSON" in err
+    assert "empty: its faithfulness result could not be rebuilt from its rows" in err
+    assert [f.name for f in run_folders(repo / "docs" / "results")] == [
+        "broken",
+        "downstream-smollm2-winogrande",
+        "empty",
+    ]

@@ -92,7 +92,10 @@ def rendered(text: str, repo: Path) -> str:
 
     def fill(match: re.Match[str]) -> str:
         columns = match["columns"].split(",") if match["columns"] else None
-        body = text_of(repo / match["source"], match["table"] is not None, columns)
+        source = (repo / match["source"]).resolve()
+        if not source.is_relative_to(repo.resolve()):
+            raise GeneratedError(f"{match['source']} lies outside the repository")
+        body = text_of(source, match["table"] is not None, columns)
         return match["open"] + body + match["close"]
 
     return _BLOCK.sub(fill, text)

@@ -162,12 +162,14 @@ def capturing(
 ) -> Iterator[CaptureSession]:
     """Run ``model`` through the capture function inside the block; restore it after.
 
-    Layers that no observer wants and no intervention changes run on the model's own
-    kernel: sdpa, or eager for a model that was set to eager (a model on another kernel,
-    flash say, runs them on sdpa, the kernel the capture masks are made for); a layer with
-    a soft-cap runs eagerly, which sdpa cannot. ``kernel="eager"`` recomputes them eagerly
-    whatever the model uses, for callers that compare outputs of one capture with another
-    to the last bit.
+    Without an intervention, layers that no observer wants run on the model's own kernel:
+    sdpa, or eager for a model that was set to eager (a model on another kernel, flash
+    say, runs them on sdpa, the kernel the capture masks are made for; a nested capture
+    takes the outer one's); a layer with a soft-cap runs eagerly, which sdpa cannot. With
+    an intervention every layer is recomputed eagerly, edited or not, so that its outputs
+    compare exactly with another intervention's. ``kernel="eager"`` recomputes every layer
+    eagerly whatever the model uses, for callers that compare outputs of one capture with
+    another to the last bit.
 
     The model is put in eval mode for the block (dropout off) and given back in the
     attention implementation and train/eval mode it had.
@@ -183,7 +185,7 @@ def capturing(
         observers=observers,
         intervention=intervention,
         block_bytes=block_bytes,
-        kernel=kernel or ("eager" if previous == "eager" else "sdpa"),
+        kernel=kernel or _own_kernel(previous),
     )
     was_training = model.training
     token = _ACTIVE.set(session)
@@ -201,6 +203,15 @@ def capturing(
         if config._attn_implementation != previous:
             model.set_attn_implementation(previous)  # type: ignore[operator]
         model.train(was_training)
+
+
+def _own_kernel(previous: str) -> str:
+    """The kernel of untraced layers for a model that used ``previous``: eager for an eager
+    model, sdpa for the others; inside another capture, the outer session's."""
+    if previous == ATTN_IMPLEMENTATION:
+        outer = _ACTIVE.get()
+        return "sdpa" if outer is None else outer.kernel
+    return "eager" if previous == "eager" else "sdpa"
 
 
 def check_all_layers_seen(session: CaptureSession, num_layers: int) -> None:

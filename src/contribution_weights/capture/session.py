@@ -78,6 +78,10 @@ class CaptureSession:
         wanted = self._wanted_rows(call)
         if wanted is not None:
             return self._observed_rows(call, wanted)
+        # the eager path (an intervention, a soft-cap or kernel="eager" brought the layer
+        # here): observers that do not want it are told so and shown nothing
+        watching = [o for o in self.observers if _wants(o, call.layer_idx)]
+        self._skip([o for o in self.observers if o not in watching], call)
         blocks = call.row_blocks()
         if self.intervention is not None and len(blocks) == 1:
             # the intervention ranks tokens on this layer's probabilities: compute them once
@@ -98,7 +102,7 @@ class CaptureSession:
         narrow = (
             call.layer_probs is None
             and edit is None
-            and all(getattr(o, "key_spans", False) for o in self.observers)
+            and all(getattr(o, "key_spans", False) for o in watching)
         )
         outputs = []
         for rows in blocks:
@@ -114,14 +118,14 @@ class CaptureSession:
                 # α_ij · mean_i(v) for the replaced keys j: their weight times the mean
                 share = (probs * replaced[:, :, None, :].to(probs.dtype)).sum(-1, keepdim=True)
                 block = block + share * _visible_mean(call, rows, values)
-            if self.observers:
+            if watching:
                 if scale is not None:  # observers see the probabilities actually used
                     probs = probs * scale[:, :, None, :].to(probs.dtype)
                 # the block's α·v is the layer's own unless values were replaced
                 states = block if replaced is None else None
                 shown = LayerBlock(call, rows, probs, keys=keys, states=states)
                 try:
-                    for observer in self.observers:
+                    for observer in watching:
                         observer.observe(shown)
                 finally:
                     shown.close()
@@ -152,12 +156,18 @@ class CaptureSession:
         if not watching or not all(getattr(o, "tiled", _never)(call) for o in watching):
             return None
         states = [o.observe_layer(call) for o in watching]  # type: ignore[attr-defined]
+        self._skip([o for o in self.observers if o not in watching], call)
         return states[0].to(call.query.dtype)[None].transpose(1, 2).contiguous()
 
     def _wanted_rows(self, call: LayerCall) -> slice | None:
         """The queries the observers of this layer need, when every one of them names its
         rows (``query_rows``) and nothing else needs the eager path; else None."""
-        if self.intervention is not None or call.softcap is not None or not self.observers:
+        if (
+            self.intervention is not None
+            or call.softcap is not None
+            or self.kernel == "eager"
+            or not self.observers
+        ):
             return None
         spans = []
         for observer in self.observers:
@@ -176,6 +186,7 @@ class CaptureSession:
     def _observed_rows(self, call: LayerCall, wanted: slice) -> Tensor:
         """The layer on sdpa; the observers see eager probabilities of ``wanted`` only."""
         out = self._sdpa(call)
+        self._skip([o for o in self.observers if not _wants(o, call.layer_idx)], call)
         step = max(1, rows_per_block(call.batch * call.num_heads, call.k_len, self.block_bytes))
         for start in range(wanted.start, wanted.stop, step):
             rows = slice(start, min(wanted.stop, start + step))
@@ -205,11 +216,16 @@ class CaptureSession:
     def _unobserved(self, call: LayerCall) -> Tensor:
         """A layer nobody observes or changes: the model's own sdpa kernel."""
         out = self._sdpa(call)
-        for observer in self.observers:
+        self._skip(self.observers, call)
+        return out
+
+    @staticmethod
+    def _skip(observers: Sequence[Observer], call: LayerCall) -> None:
+        """Tell ``observers`` the layer ran without their observation (``skipped``)."""
+        for observer in observers:
             skipped = getattr(observer, "skipped", None)
             if skipped is not None:
                 skipped(call)
-        return out
 
 
 def _never(call: LayerCall) -> bool:

@@ -19,7 +19,8 @@ run wrote them when it ended; then every table of the README and docs/ marked
 the files and pages that differ are named, and the exit status is 1 if there are any (0:
 every table is what its rows give). Geometry's folders are rebuilt from their tables.json
 (their accumulator state is not kept); folders of experiments without a result type are
-named and passed over."""
+named and passed over. Exit status 2: a folder could not be read back (each is named; the
+others are still checked)."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -33,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from .. import generated
-    from ..experiments.rebuild import differences, rebuild, run_folders
+    from ..experiments.rebuild import RebuildError, differences, rebuild, run_folders
     from ..progress import bar
 
     repo = Path(args.repo)
@@ -44,9 +45,14 @@ def run(args: argparse.Namespace) -> int:
     step = differences if args.check else rebuild
     draw = _draw
     stale = 0
+    failed = []
     passed_over: dict[str, int] = {}  # why -> how many folders
     for folder in bar(run_folders(root), desc="run folders", unit="folder"):
-        found = step(folder, draw)
+        try:
+            found = step(folder, draw)
+        except RebuildError as err:  # named, and the other folders still checked
+            failed.append(str(err))
+            continue
         if found.skipped is not None:
             passed_over[found.skipped] = passed_over.get(found.skipped, 0) + 1
         elif found.differing:
@@ -62,7 +68,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"{'differs' if args.check else 'rewritten'}: {page.relative_to(repo)}")
     for why, count in passed_over.items():
         print(f"passed over {count} folder{'s' * (count != 1)}: {why}")
-    if not stale and not pages:
+    for error in failed:
+        print(f"cw results: {error}", file=sys.stderr)
+    if failed:
+        return 2
+    if not stale and not pages and not passed_over:
         print("every table is what its rows give")
     return 1 if args.check and (stale or pages) else 0
 

@@ -49,21 +49,33 @@ class Rebuilt:
         return self.skipped is None and not self.differing
 
 
+class RebuildError(ValueError):
+    """A run folder that cannot be read back (its config, or its rows)."""
+
+
 def experiment_of(folder: Path) -> str | None:
-    """The experiment a run folder's ``config.json`` names, or None."""
+    """The experiment a run folder's ``config.json`` names, or None when it has none; a
+    config that cannot be read is a :class:`RebuildError` naming it."""
     path = folder / CONFIG
     if not path.is_file():
         return None
     try:
-        name = json.loads(path.read_text()).get("experiment")
-    except (ValueError, AttributeError):
-        return None
-    return name if isinstance(name, str) else None
+        config = json.loads(path.read_text())
+    except ValueError as err:
+        raise RebuildError(f"{path} is not valid JSON ({err}); restore it from git") from err
+    name = config.get("experiment") if isinstance(config, dict) else None
+    if not isinstance(name, str):
+        raise RebuildError(f"{path} names no experiment; restore it from git")
+    return name
 
 
 def run_folders(root: Path) -> list[Path]:
-    """The run folders under ``root`` (itself included): those with a ``config.json``."""
-    return sorted(path.parent for path in Path(root).rglob(CONFIG) if "parts" not in path.parts)
+    """The run folders under ``root`` (itself included): those with a ``config.json``,
+    but not the per-process parts a data-parallel run merged."""
+    root = Path(root)
+    return sorted(
+        path.parent for path in root.rglob(CONFIG) if "parts" not in path.relative_to(root).parts
+    )
 
 
 #: result types of experiments with a command of their own instead of an ExperimentSpec
@@ -111,7 +123,13 @@ def _rebuilt(folder: Path, draw: Draw | None, write: bool) -> Rebuilt:
         into = Path(tmp) / folder.name
         into.mkdir()
         shutil.copy(folder / CONFIG, into / CONFIG)
-        written = _derive(folder, name, result_type, into, draw)
+        try:
+            written = _derive(folder, name, result_type, into, draw)
+        except Exception as err:  # a folder whose rows do not load: named, not a traceback
+            raise RebuildError(
+                f"{folder}: its {name} result could not be rebuilt from its rows "
+                f"({type(err).__name__}: {err})"
+            ) from err
         differing = [
             f
             for f in written
