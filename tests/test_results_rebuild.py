@@ -29,6 +29,24 @@ KINDS = [
 ]
 
 
+#: the tables of every other committed faithfulness, downstream and geometry run (about a
+#: second each; the kv-eval and attribution-eval runs take 2-14 s a folder, so beyond
+#: KINDS `cw results --check` checks them)
+TABLES = sorted(
+    f.name
+    for f in run_folders(RESULTS)
+    if f.name.startswith(("faithfulness-", "downstream-", "geometry-")) and f.name not in KINDS
+)
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("name", TABLES)
+def test_every_committed_runs_tables_are_what_its_rows_give(name):
+    found = differences(RESULTS / name)
+    assert found.skipped is None and found.written, found
+    assert found.differing == [], f"rerun `cw results`: {name}: {found.differing}"
+
+
 @pytest.mark.filterwarnings("ignore")
 @pytest.mark.parametrize("name", KINDS)
 def test_a_committed_run_is_what_its_rows_give(name):
