@@ -135,27 +135,18 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     machines = []
     missing = []
-    for path in args.trace:
-        if not path.exists():
+    inputs = [(path, trace_rows) for path in args.trace]
+    inputs += [(path, kv_rows) for path in [args.kv] if path is not None]
+    inputs += [(path, faithfulness_rows) for path in [args.faithfulness] if path is not None]
+    for path, rows_of in inputs:
+        if not path.exists():  # the step that writes it failed or ran out of time
             missing.append(str(path))
             continue
         result = json.loads(path.read_text())
-        machines.append(result.get("machine", ""))
-        rows += trace_rows(result)
-    if args.kv is not None:
-        if args.kv.exists():
-            result = json.loads(args.kv.read_text())
-            machines.append(f"{result.get('machine', '')}, torch {result.get('torch', '')}")
-            rows += kv_rows(result)
-        else:
-            missing.append(str(args.kv))
-    if args.faithfulness is not None:
-        if args.faithfulness.exists():
-            result = json.loads(args.faithfulness.read_text())
-            machines.append(f"{result.get('machine', '')}, torch {result.get('torch', '')}")
-            rows += faithfulness_rows(result)
-        else:
-            missing.append(str(args.faithfulness))
+        machine = str(result.get("machine", ""))  # bench_gpu.py's names torch already
+        torch = result.get("torch")
+        machines.append(f"{machine}, torch {torch}" if torch else machine)
+        rows += rows_of(result)
     machine = "; ".join(dict.fromkeys(m for m in machines if m)) or "unknown"
     args.out.mkdir(parents=True, exist_ok=True)
     summary = {"machine": machine, "rows": rows, "missing": missing}
