@@ -70,18 +70,18 @@ class CaptureSession:
 
     def attend(self, call: LayerCall) -> Tensor:
         self.layers_seen.append(call.layer_idx)
-        if self._untraced(call):
-            return self._unobserved(call)
-        tiled = self._tiled(call)
-        if tiled is not None:
-            return tiled
-        wanted = self._wanted_rows(call)
-        if wanted is not None:
-            return self._observed_rows(call, wanted)
-        # the eager path (an intervention, a soft-cap or kernel="eager" brought the layer
-        # here): observers that do not want it are told so and shown nothing
+        # whichever path the layer takes, observers that do not want it are told so (once)
+        # and shown nothing
         watching = [o for o in self.observers if _wants(o, call.layer_idx)]
         self._skip([o for o in self.observers if o not in watching], call)
+        if self._untraced(call, watching):
+            return self._sdpa(call)
+        tiled = self._tiled(call, watching)
+        if tiled is not None:
+            return tiled
+        wanted = self._wanted_rows(call, watching)
+        if wanted is not None:
+            return self._observed_rows(call, wanted, watching)
         blocks = call.row_blocks()
         if self.intervention is not None and len(blocks) == 1:
             # the intervention ranks tokens on this layer's probabilities: compute them once
@@ -134,7 +134,7 @@ class CaptureSession:
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
         return out.transpose(1, 2).contiguous()
 
-    def _untraced(self, call: LayerCall) -> bool:
+    def _untraced(self, call: LayerCall, watching: Sequence[Observer]) -> bool:
         """Whether the layer runs on the model's own kernel: no intervention, no observer
         wants it (or there are none), and sdpa can compute it (no soft-cap) exactly as the
         model's forward does (the session's kernel is not eager)."""
@@ -142,59 +142,53 @@ class CaptureSession:
             self.intervention is None
             and call.softcap is None
             and self.kernel != "eager"
-            and not any(_wants(o, call.layer_idx) for o in self.observers)
+            and not watching
         )
 
-    def _tiled(self, call: LayerCall) -> Tensor | None:
+    def _tiled(self, call: LayerCall, watching: Sequence[Observer]) -> Tensor | None:
         """The layer for observers that reduce it whole from its queries, keys and values
         (``observe_layer``, no probabilities built: the tiled kernels of
         :mod:`~.measures.tiled`), when every observer of the layer can; else None. The
         layer's output is the head states they computed, ``(B, T, H, d_h)``."""
-        if self.intervention is not None or not self.observers:
+        if self.intervention is not None or not watching:
             return None
-        watching = [o for o in self.observers if _wants(o, call.layer_idx)]
-        if not watching or not all(getattr(o, "tiled", _never)(call) for o in watching):
+        if not all(getattr(o, "tiled", _never)(call) for o in watching):
             return None
         states = [o.observe_layer(call) for o in watching]  # type: ignore[attr-defined]
-        self._skip([o for o in self.observers if o not in watching], call)
         return states[0].to(call.query.dtype)[None].transpose(1, 2).contiguous()
 
-    def _wanted_rows(self, call: LayerCall) -> slice | None:
+    def _wanted_rows(self, call: LayerCall, watching: Sequence[Observer]) -> slice | None:
         """The queries the observers of this layer need, when every one of them names its
         rows (``query_rows``) and nothing else needs the eager path; else None."""
         if (
             self.intervention is not None
             or call.softcap is not None
             or self.kernel == "eager"
-            or not self.observers
+            or not watching
         ):
             return None
         spans = []
-        for observer in self.observers:
-            if not _wants(observer, call.layer_idx):
-                continue
+        for observer in watching:
             rows_of = getattr(observer, "query_rows", None)
             rows = None if rows_of is None else rows_of(call)
             if rows is None:
                 return None
             spans.append(rows)
-        if not spans:
-            return None
         start, stop = min(r.start for r in spans), max(r.stop for r in spans)
         return slice(max(0, start), min(call.q_len, stop))
 
-    def _observed_rows(self, call: LayerCall, wanted: slice) -> Tensor:
+    def _observed_rows(
+        self, call: LayerCall, wanted: slice, watching: Sequence[Observer]
+    ) -> Tensor:
         """The layer on sdpa; the observers see eager probabilities of ``wanted`` only."""
         out = self._sdpa(call)
-        self._skip([o for o in self.observers if not _wants(o, call.layer_idx)], call)
         step = max(1, rows_per_block(call.batch * call.num_heads, call.k_len, self.block_bytes))
         for start in range(wanted.start, wanted.stop, step):
             rows = slice(start, min(wanted.stop, start + step))
             shown = LayerBlock(call, rows, call.probs(rows))
             try:
-                for observer in self.observers:
-                    if _wants(observer, call.layer_idx):
-                        observer.observe(shown)
+                for observer in watching:
+                    observer.observe(shown)
             finally:
                 shown.close()
         return out
@@ -211,12 +205,6 @@ class CaptureSession:
             dropout=0.0,
             scaling=call.scaling,
         )
-        return out
-
-    def _unobserved(self, call: LayerCall) -> Tensor:
-        """A layer nobody observes or changes: the model's own sdpa kernel."""
-        out = self._sdpa(call)
-        self._skip(self.observers, call)
         return out
 
     @staticmethod
