@@ -52,6 +52,11 @@ DEFAULT_RATES = (0.1, 0.2, 0.3, 0.4, 0.5)
 DEFAULT_GAMMAS = (1.0, 0.8, 0.6, 0.4, 0.2, 0.0)
 
 
+def max_tokens_option(help: str, default: int = 512) -> Any:
+    """The ``--max-tokens`` option (an int, checked by :func:`check_max_tokens`)."""
+    return option(default, help, flag="--max-tokens", parse="int")
+
+
 def _resolve_measures(measures: Any) -> list[str]:
     """Measure names checked against the registry (imported here: it needs torch)."""
     from ..measures.registry import resolve_measures
@@ -133,10 +138,9 @@ class FaithfulnessOptions(RemovalOptions):
         MODES, "comprehensiveness and/or sufficiency", flag="--modes", parse="names"
     )
     scope: str = option("layer", "ranking scope", flag="--scope", choices=SCOPES)
-    max_tokens: int = option(
-        512, "keep the first N tokens of longer texts (texts under 2 tokens are skipped)",
-        flag="--max-tokens", parse="int",
-    )  # fmt: skip
+    max_tokens: int = max_tokens_option(
+        "keep the first N tokens of longer texts (texts under 2 tokens are skipped)"
+    )
 
     def validate(self) -> None:
         super().validate()
@@ -194,9 +198,10 @@ def check_rates(rates: Any) -> list[float]:
     return out
 
 
-def check_max_tokens(max_tokens: Any) -> int:
+def check_max_tokens(max_tokens: Any, least: str = "a token and its next") -> int:
+    """``max_tokens`` as an int, at least 2 (``least``: what the two tokens are)."""
     if int(max_tokens) < 2:
-        raise ValueError(f"max_tokens must be at least 2 (a token and its next), got {max_tokens}")
+        raise ValueError(f"max_tokens must be at least 2 ({least}), got {max_tokens}")
     return int(max_tokens)
 
 
@@ -212,19 +217,13 @@ def check_sink_cosine(value: Any) -> float:
 class DownstreamOptions(RemovalOptions):
     """Options of :func:`downstream` and ``cw downstream`` (checked on creation)."""
 
-    max_tokens: int = option(
-        512, "skip items whose prompt plus longest option exceed N tokens",
-        flag="--max-tokens", parse="int",
-    )  # fmt: skip
+    max_tokens: int = max_tokens_option(
+        "skip items whose prompt plus longest option exceed N tokens"
+    )
 
     def validate(self) -> None:
         super().validate()
-        if int(self.max_tokens) < 2:
-            raise ValueError(
-                f"max_tokens must be at least 2 (a prompt token and an option token), "
-                f"got {self.max_tokens}"
-            )
-        self.max_tokens = int(self.max_tokens)
+        self.max_tokens = check_max_tokens(self.max_tokens, "a prompt token and an option token")
 
     def removals(self) -> list[Removal]:
         from ..interventions import Removal

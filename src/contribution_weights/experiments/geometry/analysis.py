@@ -101,10 +101,24 @@ class LayerMeansAnalysis(Analysis[T]):
     """
 
     stat: type[LayerMeans]
-    prefix: str = ""  # before each column's name in per_layer.csv
+    #: before each column's name in per_layer.csv; None: the analysis' name and ``:``
+    prefix: str | None = None
     #: the table's type when it is more than the frame: a dataclass made from the frame
-    #: alone (``tables(by_layer)``), which is its first field; None: the frame itself
+    #: alone (``tables(by_layer)``), which is its first field; None: the frame itself.
+    #: Its :attr:`attributes` default to the name and that first field.
     tables: type[Any] | None = None
+
+    @property
+    def column_prefix(self) -> str:
+        return f"{self.name}:" if self.prefix is None else self.prefix
+
+    def attribute(self, table: T, name: str) -> Any:
+        return table if self.tables is None else getattr(table, name)
+
+    def attribute_names(self) -> tuple[str, ...]:
+        if self.attributes or self.tables is None:
+            return super().attribute_names()
+        return (self.name, fields(self.tables)[0].name)
 
     def stats(self, num_layers: int, num_heads: int, options: GeometryOptions) -> dict[str, Stat]:
         return {self.name: self.stat(num_layers)}
@@ -126,14 +140,16 @@ class LayerMeansAnalysis(Analysis[T]):
         return self.table_from_layers(pd.DataFrame(stat.by_layer(), ctx.layers, list(stat.columns)))
 
     def from_saved(self, saved: SavedRun) -> T | None:
-        columns = [self.prefix + c for c in self.stat.columns]
+        columns = [self.column_prefix + c for c in self.stat.columns]
         if not set(columns) <= set(saved.per_layer.columns):
             return None
-        by_layer = saved.per_layer[columns].rename(columns=lambda c: str(c)[len(self.prefix) :])
+        by_layer = saved.per_layer[columns].rename(
+            columns=lambda c: str(c)[len(self.column_prefix) :]
+        )
         return self.table_from_layers(by_layer)
 
     def per_layer(self, table: T) -> pd.DataFrame:
-        return self.layers_of(table).add_prefix(self.prefix)
+        return self.layers_of(table).add_prefix(self.column_prefix)
 
 
 ANALYSES_REGISTRY: Registry[Analysis[Any]] = Registry("analysis", plural="analyses")

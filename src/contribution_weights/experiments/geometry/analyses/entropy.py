@@ -18,7 +18,6 @@ from ...stats import WEIGHT_MEASURES, BlockView, LayerMeans
 from ..analysis import LayerMeansAnalysis, markdown_table, num, register_analysis
 from ..analysis_types import ResultView
 
-PREFIX = "entropy:"  # its columns in per_layer.csv
 ROWS = ("all", "excluding_first")
 
 
@@ -67,9 +66,7 @@ class EntropyAnalysis(LayerMeansAnalysis[EntropyTables]):
     """Table 5: entropy of each weight measure, with and without token 0."""
 
     name = "entropy"
-    attributes = ("entropy", "entropy_by_layer")
     stat = Entropy
-    prefix = PREFIX
     tables = EntropyTables
 
     def to_json(self, table: EntropyTables) -> dict[str, Any]:

@@ -17,8 +17,6 @@ from ...stats import WEIGHT_MEASURES, BlockView, LayerMeans
 from ..analysis import LayerMeansAnalysis, markdown_table, num, register_analysis
 from ..analysis_types import ResultView
 
-PREFIX = "first_token_weight:"  # its columns in per_layer.csv
-
 
 class FirstTokenWeight(LayerMeans):
     """Table 4: E[w_0^(l)] = (1/T) Σ_i Σ_h w_i0 with the registry's normalised weights
@@ -51,9 +49,7 @@ class FirstTokenWeightAnalysis(LayerMeansAnalysis[FirstTokenWeightTables]):
     """Table 4: the first-token weight per layer and its mean over layers."""
 
     name = "first_token_weight"
-    attributes = ("first_token_weight", "first_token_weight_by_layer")
     stat = FirstTokenWeight
-    prefix = PREFIX
     tables = FirstTokenWeightTables
 
     def to_json(self, table: FirstTokenWeightTables) -> dict[str, Any]:

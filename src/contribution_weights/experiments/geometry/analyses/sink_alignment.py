@@ -191,7 +191,8 @@ class SinkAlignmentAnalysis(LayerMeansAnalysis[SinkAlignmentTables]):
     """Figure 5: per layer, mean cos(ṽ_0, ṽ_j) and cos(ṽ_i, ṽ_j), and the null."""
 
     name = "sink_alignment"
-    stat = SinkAlignment  # its columns of per_layer.csv are unprefixed
+    stat = SinkAlignment
+    prefix = ""  # its columns of per_layer.csv are unprefixed
     attributes = ("sink_alignment", "sink_alignment_null")
     tables = SinkAlignmentTables
 
