@@ -328,3 +328,21 @@ def test_the_attribution_page_lists_the_strongest_tokens_by_size(browser, tmp_pa
     assert top[0][2] < 0  # the strongest pushes the target down: a signed sort lists it last
     assert [int(re.search(r"@(\d+)", t)[1]) for t in shown] == [p for p, _, _ in top]
     assert not [e for e in b.console() if e.get("level") in ("SEVERE", "ERROR")]
+
+
+def test_the_strip_figure_states_what_a_sign_means(model):
+    """The default's sign convention is on the plot: red raises the target's quantity, blue
+    lowers it; a magnitude twin's row says it has no sign."""
+    result = attribute(model, "hello world", methods="direct,direct_abs")
+    fig = attribution_figure(result)
+    title = fig._suptitle.get_text()
+    assert f"red: raises log P of {result.target_tokens[0]!r}, blue: lowers it" in title
+    rows = [ax.get_title(loc="left") for ax in fig.axes if ax.get_title(loc="left")]
+    assert [("either way" in r) for r in rows] == [False, True]
+    logit = attribute(model, "hello world", methods="direct", quantity="logit")
+    assert "raises the logit of" in logit.sign_convention(0)
+    contrast = attribute(model, "hello world", methods="direct", quantity="contrast", foil=3)
+    assert contrast.sign_convention(0).startswith("red: favours ")
+    flow = attribute(model, "hello world", methods="flow", quantity="flow")
+    assert "opposes it" in flow.sign_convention(0)
+    figures.plt.close("all")

@@ -93,6 +93,11 @@ def magnitude_of(method: AttributionMethod) -> AttributionMethod:
     )
 
 
+def is_magnitude(name: str) -> bool:
+    """Whether ``name`` is a registered magnitude twin (its scores carry no sign)."""
+    return name in METHODS and bool(METHODS.get(name).absolute_of)
+
+
 for _method in (
     AttributionMethod(
         "flow",

@@ -154,6 +154,19 @@ class Attribution:
         shown = text if t.quantity == "contrast" else repr(text)  # a contrast's are quoted
         return f"{t.quantity} of {shown} after position {t.position} = {value:.4g}"
 
+    def sign_convention(self, k: int) -> str:
+        """What a score's sign means for target ``k``, as the figures state it: a positive
+        score pushes the target's quantity up. A magnitude twin (``NAME_abs``) drops the
+        sign: how much a token mattered, whichever way."""
+        t = self.targets[k]
+        text = self.target_tokens[k]
+        if t.quantity == "flow":
+            return f"red: carries position {t.position}'s flow, blue: opposes it"
+        if t.quantity == "contrast":
+            return f"red: favours {text}, blue: the other way"
+        what = "log P" if t.quantity == "logprob" else "the logit"
+        return f"red: raises {what} of {text!r}, blue: lowers it"
+
     def summary(self, k: int = 8) -> str:
         """A few lines per target: its value and each method's top tokens (token 0 left
         out, as :meth:`top` leaves it by default)."""

@@ -27,6 +27,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Rectangle
 
+from ..attribution.methods import is_magnitude
 from ..attribution.result import Attribution, Routes
 from .attribution_html import method_note
 from .figures import MASKED, _signed_sqrt_norm, register_figure, save, token_label
@@ -168,6 +169,8 @@ def attribution_figure(
         im = _strip(ax, row, 0, t, cmap, norm)
         ax.set_ylabel(name, rotation=0, ha="right", va="center", fontsize=9)
         note = method_note(result, name, k)
+        if is_magnitude(name):
+            note = "; ".join(filter(None, ["|score|: mattered either way", note]))
         ax.set_title(
             f"{name}: max |score| {limit:.3g}" + (f"  ({note})" if note else ""),
             fontsize=8,
@@ -209,7 +212,8 @@ def attribution_figure(
         axes[-1][1].set_xlabel("token", fontsize=8)
     kind = "each method on its own scale; grey: after the target"
     fig.suptitle(
-        f"{result.model}: {result.describe_target(k)}\nwhich of the {t} tokens drive it ({kind})",
+        f"{result.model}: {result.describe_target(k)}\nwhich of the {t} tokens drive it: "
+        f"{result.sign_convention(k)} ({kind})",
         fontsize=10,
     )
     return _finish(fig, path)
