@@ -33,7 +33,6 @@ def folder(tmp_path_factory):
         (["--token", "abc"], "not one"),
         (["--methods", "nope"], "unknown attribution method"),
         (["--foil", "a"], "only read by --quantity contrast"),
-        (["--routes", "--methods", "rollout"], "routes are read from the contribution flow"),
     ],
 )
 def test_bad_targets_exit_2_before_the_model_loads(folder, monkeypatch, capsys, args, message):
@@ -72,15 +71,15 @@ def test_api_keywords_and_targets():
     ids = torch.randint(3, 90, (12,))
     a = cw.attribute(model, ids, method="flow", target=5, quantity="logit")
     assert a.targets[0].position == 5 and a.targets[0].quantity == "logit"
-    b = cw.attribute(model, ids, target=Target(5, a.targets[0].token, "logit"))
+    b = cw.attribute(model, ids, method="flow", target=Target(5, a.targets[0].token, "logit"))
     torch.testing.assert_close(a["flow"], b["flow"])
     # bias-free family: the scores decompose the logit (up to the float32 softmax)
     assert a["flow"].sum().item() == pytest.approx(a.values[0], abs=1e-5)
     assert (a["flow"][0, 6:] == 0).all()  # nothing after the target drives it
     cont = cw.attribute(model, ids[:8], continuation=[9, 10, 11], methods=["flow"])
     assert [t.position for t in cont.targets] == [7, 8, 9]
-    with pytest.raises(TargetError, match="routes are read from the contribution flow"):
-        cw.attribute(model, ids, methods="rollout", routes=True)
+    with_routes = cw.attribute(model, ids, methods="rollout", routes=True)  # flow added: read
+    assert with_routes.methods == ["rollout", "flow"] and with_routes.routes  # from flow
     assert "flow" in a.summary() and a.top(3)[0][0] in range(6)
 
 
@@ -177,8 +176,9 @@ def test_api_continuation_length_and_top_tokens():
     with pytest.raises(TargetError, match="never truncated"):
         cw.attribute(model, ids, continuation=[9, 10, 11], max_tokens=10, truncate=True)
     a = cw.attribute(model, ids, target=4, quantity="logit")
+    assert a.methods == ["direct"]  # the default
     top = a.top(10)  # token 0 aside (exclude_first=True, as the evaluations)
-    row = a["flow"][0]
+    row = a["direct"][0]
     order = torch.argsort(row[:5].abs(), descending=True).tolist()
     assert [p for p, _, _ in top] == [p for p in order if p != 0]
     assert all(p <= 4 for p, _, _ in top)  # no token after the target is listed

@@ -286,7 +286,7 @@ def attribute(
         options: an :class:`AttributeOptions`, or its fields as keywords: ``position``
             (default the last), ``token`` (text or id; default the model's top
             prediction), ``quantity`` (``"logprob"``, ``"logit"``, ``"contrast"`` with
-            ``foil=``, ``"flow"``), ``continuation``, ``methods`` (default ``["flow"]``;
+            ``foil=``, ``"flow"``), ``continuation``, ``methods`` (default ``["direct"]``;
             also a comma string or ``"all"``), ``steps``, ``routes``, ``threshold``,
             ``compute_dtype``, ``max_tokens`` and ``truncate``.
 
