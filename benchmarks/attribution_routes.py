@@ -35,15 +35,18 @@ from typing import Any
 import numpy as np
 
 
-def prefix_matching(model: Any, n: int, length: int, seed: int) -> np.ndarray:
-    """``(L, H)`` prefix-matching score, the mean over ``n`` repeated random sequences."""
+def prefix_matching(
+    model: Any, n: int, length: int, seed: int, words: list[int] | None = None
+) -> np.ndarray:
+    """``(L, H)`` prefix-matching score, the mean over ``n`` repeated random sequences of
+    ``words`` (default: the tasks' single-token words)."""
     import torch
 
     from contribution_weights.attribution.flow import forward_factors
     from contribution_weights.attribution.targets import Target
     from contribution_weights.attribution.tasks import _prefix, word_pool
 
-    words = word_pool(model.tokenizer)
+    words = word_pool(model.tokenizer) if words is None else words
     prefix = _prefix(model.tokenizer)
     a = len(prefix)
     scores = []
