@@ -21,6 +21,8 @@ target's total flow) are read and scored:
 Each rate is set against a control position of the same item: a position of the context
 drawn by seed (not the source, not token 0, not the target), scored the same way. The
 difference is paired over items (exact McNemar test; Wilson intervals for the rates).
+``--resummarise`` rebuilds the summaries and tables of result files from their rows,
+without the model.
 Writes ``attribution-routes-{model}.json`` and ``.md`` into ``--out``.
 """
 
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -85,13 +87,37 @@ def route_hits(routes: Any, position: int, where: int, heads: set[tuple[int, int
     }
 
 
-def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    if n == 0:
-        return (math.nan, math.nan)
-    p = k / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return (centre - half, centre + half)
+KEYS = ("on_route", "copy_edge", "copy_by_induction_head")
+
+
+def summary_of(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each route score's rate at the source and at the control (Wilson 95% intervals), and
+    the paired counts and exact McNemar p of source against control."""
+    from contribution_weights.experiments.downstream import wilson_interval
+    from contribution_weights.experiments.paired import mcnemar_p
+
+    summary = {}
+    for key in KEYS:
+        s = [row["at_source"][key] for row in rows]
+        c = [row["at_control"][key] for row in rows]
+        b = sum(x and not y for x, y in zip(s, c, strict=True))
+        d = sum(y and not x for x, y in zip(s, c, strict=True))
+        summary[key] = {
+            "source_rate": sum(s) / len(s), "source_wilson95": wilson_interval(sum(s), len(s)),
+            "control_rate": sum(c) / len(c), "control_wilson95": wilson_interval(sum(c), len(c)),
+            "source_only": b, "control_only": d, "mcnemar_p": mcnemar_p(b, d),
+        }  # fmt: skip
+    return summary
+
+
+def copy_heads_of(rows: list[dict[str, Any]], score: np.ndarray, most: int = 5) -> list[list]:
+    """The ``most`` heads of the source's copy edges in the most items: ``[layer, head,
+    items, prefix-matching score, rank]``."""
+    rank = {lh: r + 1 for r, lh in enumerate(_ranked(score))}
+    counts = Counter(
+        lh for row in rows for lh in {(c[0], c[1]) for c in row["at_source"]["copy_heads"]}
+    )
+    return [[lh[0], lh[1], n, float(score[lh]), rank[lh]] for lh, n in counts.most_common(most)]
 
 
 def main() -> int:
@@ -103,13 +129,17 @@ def main() -> int:
     p.add_argument("--top-heads", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("bench-out"))
+    p.add_argument("--resummarise", type=Path, nargs="+", default=[], metavar="JSON")
     args = p.parse_args()
+    for path in args.resummarise:
+        resummarise(path)
+    if args.resummarise:
+        return 0
 
     import torch
 
     import contribution_weights as cw
     from contribution_weights.attribution.tasks import make_item
-    from contribution_weights.experiments.paired import mcnemar_p
 
     torch.manual_seed(args.seed)
     model = cw.load_model(args.model)
@@ -139,28 +169,11 @@ def main() -> int:
                 "at_source": route_hits(r, item.position, src, heads),
                 "at_control": route_hits(r, item.position, control, heads),
             })  # fmt: skip
-        summary = {}
-        for key in ("on_route", "copy_edge", "copy_by_induction_head"):
-            s = [row["at_source"][key] for row in rows]
-            c = [row["at_control"][key] for row in rows]
-            b = sum(x and not y for x, y in zip(s, c, strict=True))
-            d = sum(y and not x for x, y in zip(s, c, strict=True))
-            summary[key] = {
-                "source_rate": sum(s) / len(s), "source_wilson95": wilson(sum(s), len(s)),
-                "control_rate": sum(c) / len(c), "control_wilson95": wilson(sum(c), len(c)),
-                "source_only": b, "control_only": d, "mcnemar_p": mcnemar_p(b, d),
-            }  # fmt: skip
-        ranked = {lh: r + 1 for r, lh in enumerate(_ranked(score))}
-        counts: dict[tuple[int, int], int] = {}
-        for row in rows:
-            for lh in {(c[0], c[1]) for c in row["at_source"]["copy_heads"]}:
-                counts[lh] = counts.get(lh, 0) + 1
-        copiers = sorted(counts.items(), key=lambda kv: -kv[1])[:5]
+        summary = summary_of(rows)
         tasks[task] = {
             "tokens": tokens,
             "summary": summary,
-            # the heads of the source's copy edges: items, prefix-matching score and rank
-            "copy_heads": [[lh[0], lh[1], n, float(score[lh]), ranked[lh]] for lh, n in copiers],
+            "copy_heads": copy_heads_of(rows, score),
             "rows": rows,
         }
         print(task, json.dumps(summary))
@@ -179,6 +192,17 @@ def main() -> int:
     (args.out / f"{stem}.md").write_text(markdown(out))
     print(markdown(out))
     return 0
+
+
+def resummarise(path: Path) -> None:
+    """A result's summaries and copy heads rebuilt from its rows, rewritten with its table."""
+    out = json.loads(path.read_text())
+    score = np.array(out["prefix_matching"])
+    for t in out["tasks"].values():
+        t["summary"] = summary_of(t["rows"])
+        t["copy_heads"] = copy_heads_of(t["rows"], score)
+    path.write_text(json.dumps(out, indent=1))
+    path.with_suffix(".md").write_text(markdown(out))
 
 
 def markdown(out: dict[str, Any]) -> str:

@@ -48,15 +48,25 @@ def test_prefix_matching_is_a_mean_attention_per_head():
     assert routes_script._ranked(score)[0] == np.unravel_index(np.argmax(score), score.shape)
 
 
-def test_wilson_interval():
-    lo, hi = routes_script.wilson(0, 64)
-    assert lo == pytest.approx(0.0, abs=1e-12) and hi == pytest.approx(0.0565, abs=1e-3)
-    lo, hi = routes_script.wilson(32, 64)
-    assert lo < 0.5 < hi and hi - 0.5 == pytest.approx(0.5 - lo)
+def test_summary_pairs_source_and_control_over_items():
+    def row(source: bool, control: bool) -> dict:
+        return {"at_source": dict.fromkeys(routes_script.KEYS, source),
+                "at_control": dict.fromkeys(routes_script.KEYS, control)}  # fmt: skip
+
+    rows = [row(True, False)] * 6 + [row(True, True)] * 2 + [row(False, True)] + [row(False, False)]
+    s = routes_script.summary_of(rows)["copy_edge"]
+    assert s["source_rate"] == 0.8 and s["control_rate"] == 0.3
+    assert (s["source_only"], s["control_only"]) == (6, 1)
+    assert s["mcnemar_p"] == pytest.approx(16 / 128)  # two-sided exact: 2 * P(X <= 1), n = 7
+    lo, hi = s["source_wilson95"]
+    assert 0.44 < lo < 0.8 < hi < 0.97
 
 
 @pytest.mark.parametrize("path", sorted(RESULTS.glob("*.json")), ids=lambda p: p.stem)
-def test_committed_tables_are_what_their_json_gives(path):
-    assert path.with_suffix(".md").read_text() == routes_script.markdown(
-        json.loads(path.read_text())
-    )
+def test_committed_tables_are_what_their_rows_give(path):
+    out = json.loads(path.read_text())
+    score = np.array(out["prefix_matching"])
+    for t in out["tasks"].values():
+        assert json.loads(json.dumps(routes_script.summary_of(t["rows"]))) == t["summary"]
+        assert routes_script.copy_heads_of(t["rows"], score) == t["copy_heads"]
+    assert path.with_suffix(".md").read_text() == routes_script.markdown(out)

@@ -11,9 +11,10 @@ from .methods import METHODS
 from .targets import QUANTITIES, TargetError
 
 COMPUTE_DTYPES = ("float32", "float64")
-#: the default method: on both embedded models ``direct`` finds the known answer's source
-#: as often as the best of the others and more often than ``flow`` (docs/attribution.md),
-#: at about the cost of one forward
+#: the default method: in the published known-answer runs of both embedded models
+#: ``direct`` finds the answer's source as often as the best of the others (ties
+#: included), never less often than ``flow`` and more often in five of six
+#: (docs/attribution.md), at about the cost of one forward
 DEFAULT_METHODS = ("direct",)
 
 
