@@ -113,7 +113,7 @@ class LayerMeansAnalysis(Analysis[T]):
         return f"{self.name}:" if self.prefix is None else self.prefix
 
     def attribute(self, table: T, name: str) -> Any:
-        return table if self.tables is None else getattr(table, name)
+        return super().attribute(table, name) if self.tables is None else getattr(table, name)
 
     def attribute_names(self) -> tuple[str, ...]:
         if self.attributes or self.tables is None:
