@@ -12,7 +12,13 @@ import torch
 from tiny_models import tiny_model
 
 import contribution_weights as cw
-from contribution_weights.attribution.tasks import make_item, text_item
+from contribution_weights.attribution.tasks import (
+    PHRASINGS,
+    SEPARATORS,
+    make_item,
+    recipe,
+    text_item,
+)
 from contribution_weights.capture import AttentionEdit, capturing
 from contribution_weights.experiments.attribution_eval import (
     AttributionEvalOptions,
@@ -36,6 +42,45 @@ def test_known_answer_items_put_the_answer_at_the_source(smollm2, task):
         # the answer is not simply the token before the target, nor at the target
         assert item.ids[item.position] != item.answer or task == "induction"
     assert make_item(task, tok, 0, 3, 64).ids != make_item(task, tok, 1, 3, 64).ids
+
+
+@pytest.mark.parametrize("task", ["induction", "lookup", "passkey"])
+def test_fresh_items_draw_their_construction_from_the_seed(smollm2, task):
+    """The fresh generator: answer at the source, lengths drawn in [tokens/2, tokens], ids
+    from the seed's vocabulary range, and none of the words generator's phrasing."""
+    tok = smollm2.tokenizer
+    special = set(tok.all_special_ids)
+    r = recipe(tok, 5)
+    lengths = set()
+    for index in range(12):
+        item = make_item(task, tok, index, 5, 64, "fresh")
+        assert item == make_item(task, tok, index, 5, 64, "fresh")  # seeded
+        assert item != make_item(task, tok, index, 5, 64)  # not the words family
+        (source,) = item.sources
+        assert item.ids[source] == item.answer and source < item.position
+        assert len(item.ids) <= 64
+        lengths.add(len(item.ids))
+        body = item.ids[1:]  # after the BOS
+        drawn = [t for t in body if r.low <= t < r.high]
+        assert not special & set(body)
+        if task != "passkey":  # every key, value and copied id comes from the range
+            assert item.answer in drawn and len(drawn) >= len(body) // 2
+    assert len(lengths) > 2  # lengths are drawn per item
+    text = tok.decode(make_item(task, tok, 0, 5, 64, "fresh").ids)
+    if task == "passkey":
+        assert PHRASINGS[r.phrasing][0].strip() in text and "pass key" not in text
+    if task == "lookup":
+        assert SEPARATORS[r.separator][0] in text
+    assert len({recipe(tok, s) for s in (1, 2, 3)}) == 3  # three settings differ
+
+
+def test_generator_options_are_checked():
+    with pytest.raises(ValueError, match="unknown generator"):
+        AttributionEvalOptions(generator="other").validate()
+    with pytest.raises(ValueError, match="deletion task reads texts"):
+        AttributionEvalOptions(task="deletion", generator="fresh").validate()
+    with pytest.raises(ValueError, match="unknown generator"):
+        make_item("induction", None, 0, 0, 64, "other")
 
 
 def test_known_answer_items_are_solved_by_the_model(smollm2):

@@ -62,6 +62,8 @@ KV_WINDOW = 64
 #: with a known source token), how removed tokens leave the input, and the default rates
 ATTRIBUTION_TASKS = ("deletion", "induction", "lookup", "passkey")
 ATTRIBUTION_INTERVENTIONS = ("key_mask", "embedding")
+#: how known-answer items are built (attribution.tasks): the tuned families, or drawn anew
+ATTRIBUTION_GENERATORS = ("words", "fresh")
 ATTRIBUTION_RATES = (0.05, 0.1, 0.2, 0.3, 0.5)
 ATTRIBUTION_METHODS = (
     "flow", "direct", "rollout", "alti", "value_zeroing", "input_x_gradient",

@@ -12,6 +12,17 @@
 Items are built from token ids directly, so every position is known exactly. The words
 are single-token, lower-case words with a leading space, found in the tokenizer's own
 vocabulary (they round-trip: encoding the word's text gives back the one id).
+
+Two generators build them (``generator=``, :data:`GENERATORS`):
+
+* ``words``: the families above, at exactly ``tokens`` tokens, from the word pool and the
+  fixed filler and phrasing. The methods' defaults were chosen on these items.
+* ``fresh``: a generator that shares none of that construction, so that no method is
+  judged on the one item family it was tuned on. Its seed draws a :class:`Recipe` per run:
+  a contiguous range of the vocabulary's ids the tokens come from (any ids, not only words;
+  special tokens left out), each item's length (uniform between half of ``tokens`` and
+  ``tokens``), the lookup's separators and the passkey's phrasing, digit count and filler
+  (ids from the range). Three seeds are three generator settings.
 """
 
 from __future__ import annotations
@@ -23,7 +34,10 @@ from typing import Any
 
 import numpy as np
 
+from ..defaults import ATTRIBUTION_GENERATORS
+
 TASKS = ("deletion", "induction", "lookup", "passkey")
+GENERATORS = ATTRIBUTION_GENERATORS
 KNOWN_ANSWER = ("induction", "lookup", "passkey")
 _WORD = re.compile(r"^ [a-z]{3,9}$")
 FILLER = (
@@ -79,8 +93,14 @@ def word_pool(tokenizer: Any) -> list[int]:
     return words
 
 
-def make_item(task: str, tokenizer: Any, index: int, seed: int, tokens: int) -> Item:
-    """Item ``index`` of ``task`` (the same for the same arguments)."""
+def make_item(
+    task: str, tokenizer: Any, index: int, seed: int, tokens: int, generator: str = "words"
+) -> Item:
+    """Item ``index`` of ``task`` (the same for the same arguments), by ``generator``."""
+    if generator == "fresh":
+        return fresh_item(task, tokenizer, index, seed, tokens)
+    if generator != "words":
+        raise ValueError(f"unknown generator {generator!r}; choose from {', '.join(GENERATORS)}")
     rng = np.random.default_rng([seed, index, TASKS.index(task)])
     prefix = _prefix(tokenizer)
     if task == "induction":
@@ -128,6 +148,108 @@ def make_item(task: str, tokenizer: Any, index: int, seed: int, tokens: int) -> 
         ids = prefix + padding[:at] + needle_head
         source = len(ids) + first
         ids += digits + needle_tail + padding[at:] + question
+        return Item(ids, digits[first], [source])
+    raise ValueError(f"unknown task {task!r}; known-answer tasks: {', '.join(KNOWN_ANSWER)}")
+
+
+#: the lookup's (separator, end of pair) texts and the passkey's (needle, question) phrasings
+#: a fresh recipe draws from: none of them is the ``words`` generator's
+SEPARATORS = ((" =", ","), (" ->", ";"), (" is", "."), (" :", " |"))
+PHRASINGS = (
+    (" Note: the secret code is", " What was the secret code? The secret code is"),
+    (" My number is", " Tell me my number. My number is"),
+    (" The magic value equals", " Recall the magic value. The magic value equals"),
+)
+#: fewest ids a recipe's range holds (a lookup of ``tokens`` tokens draws ~tokens/2 ids)
+_LEAST_RANGE = 2048
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What one seed of the ``fresh`` generator draws for a run (module docstring)."""
+
+    low: int  # ids come from [low, high)
+    high: int
+    separator: int  # index into SEPARATORS
+    phrasing: int  # index into PHRASINGS
+    digits: int  # passkey length in digits
+
+
+@lru_cache(maxsize=32)
+def _recipe_cached(tokenizer_key: int, tokenizer: Any, seed: int) -> Recipe:
+    rng = np.random.default_rng([seed, 1729])
+    vocab = len(tokenizer)
+    width = int(rng.integers(_LEAST_RANGE, max(_LEAST_RANGE + 1, vocab // 4)))
+    width = min(width, vocab)
+    low = int(rng.integers(0, vocab - width + 1))
+    return Recipe(
+        low=low,
+        high=low + width,
+        separator=int(rng.integers(len(SEPARATORS))),
+        phrasing=int(rng.integers(len(PHRASINGS))),
+        digits=int(rng.integers(3, 8)),
+    )
+
+
+def recipe(tokenizer: Any, seed: int) -> Recipe:
+    """The ``fresh`` generator's draws for ``seed`` (the same for the same tokenizer)."""
+    if len(tokenizer) < _LEAST_RANGE:
+        raise ValueError(
+            f"the fresh generator needs a vocabulary of at least {_LEAST_RANGE} ids; this "
+            f"tokenizer has {len(tokenizer)}: use generator='words'"
+        )
+    return _recipe_cached(id(tokenizer), tokenizer, seed)
+
+
+def _pool(tokenizer: Any, r: Recipe) -> np.ndarray:
+    special = set(int(i) for i in getattr(tokenizer, "all_special_ids", []) or [])
+    ids = np.arange(r.low, r.high)
+    return ids[~np.isin(ids, list(special))] if special else ids
+
+
+def fresh_item(task: str, tokenizer: Any, index: int, seed: int, tokens: int) -> Item:
+    """Item ``index`` of ``task`` by the ``fresh`` generator (module docstring)."""
+    r = recipe(tokenizer, seed)
+    rng = np.random.default_rng([seed, index, TASKS.index(task), 31])
+    pool = _pool(tokenizer, r)
+    prefix = _prefix(tokenizer)
+    length = int(rng.integers(max(16, tokens // 2), tokens + 1)) - len(prefix)
+    if task == "induction":
+        n = max(4, length // 2)
+        seq = [int(t) for t in rng.choice(pool, size=n, replace=False)]
+        k = int(rng.integers(1, n - 1))
+        return Item(prefix + seq + seq[: k + 1], seq[k + 1], [len(prefix) + k + 1])
+    if task == "lookup":
+        sep_text, end_text = SEPARATORS[r.separator]
+        sep, end = _ids(tokenizer, sep_text), _ids(tokenizer, end_text)
+        pairs = max(2, (length - len(sep)) // (2 + len(sep) + len(end)))
+        chosen = [int(t) for t in rng.choice(pool, size=2 * pairs, replace=False)]
+        ids, where = list(prefix), []
+        for key, value in zip(chosen[:pairs], chosen[pairs:], strict=True):
+            ids += [key, *sep]
+            where.append(len(ids))
+            ids += [value, *end]
+        q = int(rng.integers(pairs))
+        return Item([*ids, chosen[q], *sep], chosen[pairs + q], [where[q]])
+    if task == "passkey":
+        needle_text, question_text = PHRASINGS[r.phrasing]
+        number = " " + "".join(str(d) for d in rng.integers(0, 10, size=r.digits))
+        digits = _ids(tokenizer, number)
+        first = next(
+            (j for j, t in enumerate(digits) if any(c.isdigit() for c in tokenizer.decode([t]))),
+            0,
+        )
+        needle = _ids(tokenizer, needle_text)
+        tail = _ids(tokenizer, ".")
+        question = _ids(tokenizer, question_text) + digits[:first]
+        room = length - len(needle) - len(digits) - len(tail) - len(question)
+        if room < 2:
+            raise ValueError(f"passkey items need more than {tokens} tokens")
+        filler = [int(t) for t in rng.choice(pool, size=room)]
+        at = int(rng.integers(0, room + 1))
+        ids = prefix + filler[:at] + needle
+        source = len(ids) + first
+        ids += digits + tail + filler[at:] + question
         return Item(ids, digits[first], [source])
     raise ValueError(f"unknown task {task!r}; known-answer tasks: {', '.join(KNOWN_ANSWER)}")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...defaults import (
+    ATTRIBUTION_GENERATORS,
     ATTRIBUTION_INTERVENTIONS,
     ATTRIBUTION_METHODS,
     ATTRIBUTION_RATES,
@@ -42,6 +43,9 @@ class AttributionEvalOptions(Options):
         steps: integrated gradients' steps.
         protect_first: never remove token 0 (the usual attention sink).
         seed: items and random rankings.
+        generator: how known-answer items are built: ``words`` (the task families the
+            methods were chosen on) or ``fresh`` (the seed draws the vocabulary range,
+            lengths, separators and phrasing anew: :mod:`~...attribution.tasks`).
     """
 
     task: str = option("induction", "the task", choices=ATTRIBUTION_TASKS)
@@ -74,6 +78,11 @@ class AttributionEvalOptions(Options):
     protect_first: bool = option(True, "let token 0 (the usual sink) be removed too",
                                  flag="--no-sink-protection", parse="no-flag")  # fmt: skip
     seed: int = option(0, "items and random rankings", flag="--seed", parse="int")
+    generator: str = option(
+        "words", "known-answer items: words (the tuned families) or fresh (the seed draws "
+        "token range, lengths, separators and phrasing)", flag="--generator",
+        choices=ATTRIBUTION_GENERATORS,
+    )  # fmt: skip
 
     def validate(self) -> None:
         from ...attribution.methods import METHODS
@@ -114,6 +123,16 @@ class AttributionEvalOptions(Options):
         if self.steps < 1:
             raise ValueError(f"--steps must be at least 1, got {self.steps}")
         self.protect_first = bool(self.protect_first)
+        if self.generator not in ATTRIBUTION_GENERATORS:
+            raise ValueError(
+                f"unknown generator {self.generator!r}; choose from "
+                f"{', '.join(ATTRIBUTION_GENERATORS)}"
+            )
+        if self.generator == "fresh" and self.task == "deletion":
+            raise ValueError(
+                "--generator fresh builds known-answer items; the deletion task reads texts "
+                "(--dataset or --texts): drop --generator or choose --task induction"
+            )
 
     def rankings(self) -> list[str]:
         """The methods, then the baselines (``random:SEED`` per seed)."""

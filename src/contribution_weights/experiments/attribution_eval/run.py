@@ -137,7 +137,7 @@ class AttributionEval(Experiment["AttributionEvalResult"]):
         o = self.options
         tok = self.model.tokenizer
         if o.task in KNOWN_ANSWER:
-            return [make_item(o.task, tok, i, o.seed, o.tokens) for i in range(o.n)]
+            return [make_item(o.task, tok, i, o.seed, o.tokens, o.generator) for i in range(o.n)]
         if not texts:
             raise ValueError("the deletion task needs texts: --dataset NAME or --texts FILE")
         items = []
