@@ -3,6 +3,7 @@ a table that drifts from its rows is named by --check and rebuilt without it."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 
 from contribution_weights.cli import main
 from contribution_weights.cli.results_cmd import _draw
+from contribution_weights.experiments.geometry import compare
 from contribution_weights.experiments.rebuild import differences, experiment_of, run_folders
 
 REPO = Path(__file__).resolve().parents[1]
@@ -108,3 +110,33 @@ def test_cw_results_names_a_folder_it_cannot_read_back_and_checks_the_others(tmp
         "downstream-smollm2-winogrande",
         "empty",
     ]
+
+
+def test_the_geometry_comparison_is_what_its_runs_give():
+    folders = compare.comparison_folders(RESULTS)
+    assert RESULTS / "geometry-compare" in folders
+    for folder in folders:
+        assert compare.differences(folder) == [], f"rerun `cw results`: {folder.name}"
+
+
+def test_a_drifted_comparison_table_is_named_and_rebuilt(tmp_path):
+    spec = json.loads((RESULTS / "geometry-compare" / compare.SPEC).read_text())
+    for group in spec["groups"]:
+        for run in group["runs"]:
+            for key in ("folder", "sink_scaling"):
+                if run.get(key):
+                    shutil.copytree(RESULTS / run[key], tmp_path / run[key])
+    folder = tmp_path / "geometry-compare"
+    shutil.copytree(RESULTS / "geometry-compare", folder)
+    table = folder / "first_token_weight.md"
+    committed = table.read_text()
+    table.write_text(committed.replace("0.309", "0.310"))  # a number typed over
+    assert compare.differences(folder) == ["first_token_weight.md"]
+    assert compare.rebuild(folder) == ["first_token_weight.md"]
+    assert table.read_text() == committed and compare.differences(folder) == []
+
+
+def test_comparison_cells_name_layer_runs_and_given_sink_layers():
+    assert compare._layers([14, 17, 18, 20, 23, 24, 25, 26, 28]) == "14, 17, 18, 20, 23–26, 28"
+    sinks = (RESULTS / "geometry-compare" / "sinks.md").read_text()
+    assert "none (given: 5, 17)" in sinks  # Gemma on GSM8K at 512 tokens: no sink layer
