@@ -162,12 +162,18 @@ def _paper(comparison: Comparison, key: str) -> list[list[str]]:
 
 
 def first_token_weight(comparison: Comparison) -> str:
-    """Table 4: mean first-token weight of each measure."""
-    rows = _paper(comparison, "first_token_weight")
+    """Table 4: mean first-token weight of each measure, and how many times contribution's
+    attention's is (the paper's ratio from its cells)."""
+    rows = []
+    for row in _paper(comparison, "first_token_weight"):
+        rows.append([*row, _f(float(row[1]) / float(row[3]), 2)])
     for run in comparison.runs:
         weight = run.tables["first_token_weight"]
-        rows.append([run.name, *(_f(weight[m]) for m in MEASURES)])
-    return _table(["model, data", "attention", "VW", "contribution"], rows)
+        ratio = weight["attention"] / weight["contribution"]
+        rows.append([run.name, *(_f(weight[m]) for m in MEASURES), _f(ratio, 2)])
+    return _table(
+        ["model, data", "attention", "VW", "contribution", "attention / contribution"], rows
+    )
 
 
 def entropy(comparison: Comparison) -> str:
@@ -235,6 +241,7 @@ def sinks(comparison: Comparison) -> str:
                 run.name,
                 _f(t["sink_alignment"]["mean"]["sink_tail"]),
                 _f(t["sink_alignment"]["mean"]["tail_tail"]),
+                f"{int((run.per_layer['sink_tail'] < 0).sum())} of {len(run.per_layer)}",
                 f"{_f(float(rate.max()), 3)} (layer {int(rate.idxmax())})",
                 found,
                 ppl,
@@ -248,6 +255,7 @@ def sinks(comparison: Comparison) -> str:
         "model, data",
         "mean cos(ṽ_0, ṽ_j)",
         "mean cos(ṽ_i, ṽ_j)",
+        "layers with cos(ṽ_0, ṽ_j) < 0",
         "largest layer mean α_i0",
         "sink layers",
         "PPL γ=1 → γ=0",
