@@ -114,29 +114,36 @@ def test_cw_results_names_a_folder_it_cannot_read_back_and_checks_the_others(tmp
 
 def test_the_geometry_comparison_is_what_its_runs_give():
     folders = compare.comparison_folders(RESULTS)
-    assert RESULTS / "geometry-compare" in folders
+    assert RESULTS / "compare-geometry" in folders
     for folder in folders:
         assert compare.differences(folder) == [], f"rerun `cw results`: {folder.name}"
 
 
-def test_a_drifted_comparison_table_is_named_and_rebuilt(tmp_path):
-    spec = json.loads((RESULTS / "geometry-compare" / compare.SPEC).read_text())
+@pytest.mark.filterwarnings("ignore")
+def test_cw_results_names_a_drifted_comparison_table_and_rebuilds_it(tmp_path, capsys):
+    results = tmp_path / "docs" / "results"
+    spec = json.loads((RESULTS / "compare-geometry" / compare.SPEC).read_text())
     for group in spec["groups"]:
         for run in group["runs"]:
             for key in ("folder", "sink_scaling"):
                 if run.get(key):
-                    shutil.copytree(RESULTS / run[key], tmp_path / run[key])
-    folder = tmp_path / "geometry-compare"
-    shutil.copytree(RESULTS / "geometry-compare", folder)
+                    shutil.copytree(RESULTS / run[key], results / run[key])
+    folder = results / "compare-geometry"
+    shutil.copytree(RESULTS / "compare-geometry", folder)
+    (tmp_path / "README.md").write_text("# r\n")
     table = folder / "first_token_weight.md"
     committed = table.read_text()
     table.write_text(committed.replace("0.309", "0.310"))  # a number typed over
     assert compare.differences(folder) == ["first_token_weight.md"]
-    assert compare.rebuild(folder) == ["first_token_weight.md"]
+    assert main(["results", "--check", str(tmp_path)]) == 1
+    assert (
+        "differs: docs/results/compare-geometry: first_token_weight.md" in capsys.readouterr().out
+    )
+    assert main(["results", str(tmp_path)]) == 0
     assert table.read_text() == committed and compare.differences(folder) == []
 
 
 def test_comparison_cells_name_layer_runs_and_given_sink_layers():
     assert compare._layers([14, 17, 18, 20, 23, 24, 25, 26, 28]) == "14, 17, 18, 20, 23–26, 28"
-    sinks = (RESULTS / "geometry-compare" / "sinks.md").read_text()
+    sinks = (RESULTS / "compare-geometry" / "sinks.md").read_text()
     assert "none (given: 5, 17)" in sinks  # Gemma on GSM8K at 512 tokens: no sink layer
