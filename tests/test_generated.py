@@ -86,3 +86,31 @@ def test_the_front_page_and_each_docs_page_stay_readable():
     for page in sorted((REPO / "docs").glob("*.md")):
         written = generated.handwritten_lines(page.read_text())
         assert written <= 600, f"{page.name}: {written} hand-written lines (at most 600)"
+
+
+def test_a_numbered_table_block_takes_only_that_table(tmp_path):
+    repo = _repo(tmp_path, "")
+    (repo / "docs" / "results" / "run.md").write_text(
+        "Machine: x\n\n| a |\n| --- |\n| 1 |\n\nSecond:\n\n| b |\n| --- |\n| 2 |\n"
+    )
+    page = repo / "docs" / "page.md"
+    page.write_text(
+        "<!-- generated: docs/results/run.md (table 2) -->\n<!-- end generated -->\n"
+        "<!-- generated: docs/results/run.md (table 1) -->\n<!-- end generated -->\n"
+    )
+    generated.refresh(repo)
+    assert page.read_text().splitlines() == [
+        "<!-- generated: docs/results/run.md (table 2) -->",
+        "| b |",
+        "| --- |",
+        "| 2 |",
+        "<!-- end generated -->",
+        "<!-- generated: docs/results/run.md (table 1) -->",
+        "| a |",
+        "| --- |",
+        "| 1 |",
+        "<!-- end generated -->",
+    ]
+    page.write_text("<!-- generated: docs/results/run.md (table 3) -->\n<!-- end generated -->\n")
+    with pytest.raises(generated.GeneratedError, match="holds 2 Markdown tables, not 3"):
+        generated.refresh(repo)

@@ -9,7 +9,8 @@ A page marks such a block with two comments around it::
 and the lines between them are that file's text (a ``.md`` file a run wrote, relative to
 the repository); ``<!-- generated: PATH (table) -->`` takes only its Markdown table (the
 lines that start with ``|``), leaving out a header such as the machine line of a
-benchmark. A ``.csv`` file (a run's summary) becomes a Markdown table of its rows, numbers
+benchmark; ``(table N)`` takes only the file's N-th table (1 for the first), for a file
+that holds several. A ``.csv`` file (a run's summary) becomes a Markdown table of its rows, numbers
 to four significant digits; ``<!-- generated: PATH.csv columns=a,b,c -->`` keeps those
 columns, in that order. :func:`refresh` rewrites each block from its file (``cw results``
 calls it); :func:`stale` names the pages whose blocks differ from their files, which a
@@ -26,7 +27,7 @@ import re
 from pathlib import Path
 
 _BLOCK = re.compile(
-    r"(?P<open><!-- generated: (?P<source>[^ ]+)(?P<table> \(table\))?"
+    r"(?P<open><!-- generated: (?P<source>[^ ]+)(?P<table> \(table(?: (?P<nth>[1-9][0-9]*))?\))?"
     r"(?: columns=(?P<columns>[^ ]+))? -->\n)(?P<body>.*?)"
     r"(?P<close><!-- end generated -->)",
     re.S,
@@ -71,9 +72,12 @@ def _is_number(value: str) -> bool:
     return True
 
 
-def text_of(source: Path, table: bool = False, columns: list[str] | None = None) -> str:
+def text_of(
+    source: Path, table: bool = False, columns: list[str] | None = None, nth: int | None = None
+) -> str:
     """A run's ``.md`` file as a block holds it: its text (ending in one newline), or with
-    ``table`` only its Markdown table, the lines that start with ``|``."""
+    ``table`` only its Markdown table, the lines that start with ``|`` (with ``nth``, only
+    the lines of its ``nth`` table, 1 for the first)."""
     if not source.is_file():
         raise GeneratedError(f"{source}: no such file (the block's `generated:` names it)")
     if source.suffix == ".csv":
@@ -81,10 +85,22 @@ def text_of(source: Path, table: bool = False, columns: list[str] | None = None)
     text = source.read_text()
     if not table:
         return text.rstrip("\n") + "\n"
-    rows = [line for line in text.splitlines() if line.startswith("|")]
-    if not rows:
+    tables: list[list[str]] = []
+    previous = False
+    for line in text.splitlines():
+        row = line.startswith("|")
+        if row and not previous:
+            tables.append([])
+        if row:
+            tables[-1].append(line)
+        previous = row
+    if not tables:
         raise GeneratedError(f"{source} holds no Markdown table")
-    return "\n".join(rows) + "\n"
+    if nth is None:
+        return "\n".join(line for rows in tables for line in rows) + "\n"
+    if nth > len(tables):
+        raise GeneratedError(f"{source} holds {len(tables)} Markdown tables, not {nth}")
+    return "\n".join(tables[nth - 1]) + "\n"
 
 
 def rendered(text: str, repo: Path) -> str:
@@ -95,7 +111,8 @@ def rendered(text: str, repo: Path) -> str:
         source = (repo / match["source"]).resolve()
         if not source.is_relative_to(repo.resolve()):
             raise GeneratedError(f"{match['source']} lies outside the repository")
-        body = text_of(source, match["table"] is not None, columns)
+        nth = int(match["nth"]) if match["nth"] else None
+        body = text_of(source, match["table"] is not None, columns, nth)
         return match["open"] + body + match["close"]
 
     return _BLOCK.sub(fill, text)
