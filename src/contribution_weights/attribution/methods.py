@@ -162,6 +162,14 @@ for _method in (
         signed=True,
     ),
     AttributionMethod(
+        "attnlrp",
+        ".run:attnlrp_method",
+        "AttnLRP (Achtibat et al. 2024): input × gradient with the backward rewritten by "
+        "its rules (our implementation, checked against lxt)",
+        cost="1 forward + 1 backward",
+        signed=True,
+    ),
+    AttributionMethod(
         "feature_ablation",
         ".run:feature_ablation_method",
         "each token's embedding set to zero in turn (captum)",

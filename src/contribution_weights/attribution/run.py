@@ -121,6 +121,15 @@ def input_x_gradient_method(
     return MethodOutput(input_x_gradient(model, ids, targets))
 
 
+def attnlrp_method(
+    model: LoadedModel, ids: Tensor, targets: list[Target], options: AttributeOptions
+) -> MethodOutput:
+    from .attnlrp import attnlrp
+
+    _scalar_only(targets, "AttnLRP")
+    return MethodOutput(attnlrp(model, ids, targets))
+
+
 def feature_ablation_method(
     model: LoadedModel, ids: Tensor, targets: list[Target], options: AttributeOptions
 ) -> MethodOutput:
