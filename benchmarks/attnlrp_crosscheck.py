@@ -24,6 +24,24 @@ docs/results/attnlrp-crosscheck-smollm2.json is that run (n = 24 per task, 72 it
 15 minutes on one thread, 13 of them integrated gradients' 50 steps in step 3 (~10 s an
 item; AttnLRP ~0.5 s an item, flow ~0.2 s).
 
+Step 3 also runs our own AttnLRP (``attnlrp`` of ``cw attribute``, module
+``contribution_weights.attribution.attnlrp``; ``attnlrp_cw`` and ``attnlrp_cw_logit`` in
+the report, lxt's keep the names ``attnlrp`` and ``attnlrp_logit``) and compares it with
+lxt's per item, like with like (log-probability with log-probability, logit with logit):
+max |ours − lxt| / max |lxt|, the sums' relative difference and Spearman correlations
+(``attnlrp_cw_vs_lxt``; worst items in ``checks``). ``--float64-check`` reruns ours in
+float64, so the report says how far float32 rounding alone moves the scores.
+docs/results/attnlrp-ours-vs-lxt-smollm2.json is that check (n = 8 per task, 24 items,
+a few minutes)::
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/attnlrp_crosscheck.py items \\
+        --n 8 --tokens 64 --out xl-items.json
+    OMP_NUM_THREADS=1 .venv-lxt/bin/python benchmarks/attnlrp_crosscheck.py lxt \\
+        --items xl-items.json --out xl-lxt.json
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/attnlrp_crosscheck.py report \\
+        --items xl-items.json --lxt xl-lxt.json --no-ig --float64-check \\
+        --report docs/results/attnlrp-ours-vs-lxt-smollm2.json
+
 Setting up the lxt environment (not part of ``make test``)::
 
     python3 -m venv .venv-lxt
@@ -77,7 +95,7 @@ from pathlib import Path
 from typing import Any
 
 TASKS = ("induction", "lookup", "passkey")
-OURS = ("flow", "input_x_gradient", "integrated_gradients")
+OURS = ("flow", "input_x_gradient", "integrated_gradients", "attnlrp")
 
 
 # --- step 1: items (project venv) -------------------------------------------------------
@@ -277,6 +295,53 @@ def _mean_se(values: list[float]) -> dict[str, float]:
     return {"mean": mean, "se": math.sqrt(var / n) if n > 1 else math.nan, "n": n}
 
 
+def _agreement(mine: list[float], theirs: list[float]) -> dict[str, float]:
+    """Ours against lxt on one item: max |diff| relative to lxt's max |score|, the sums'
+    relative difference, Spearman over all positions and over 1..p-1."""
+    scale = max(abs(y) for y in theirs)
+    cand = slice(1, len(theirs) - 1)
+    return {
+        "max_rel_diff": max(abs(x - y) for x, y in zip(mine, theirs, strict=True)) / scale,
+        "rel_diff_of_sums": abs(sum(mine) - sum(theirs)) / max(abs(sum(theirs)), 1e-30),
+        "spearman": _spearman(mine, theirs),
+        "spearman_candidates": _spearman(mine[cand], theirs[cand]),
+    }
+
+
+def _float64_check(model: Any, record: dict[str, Any], theirs: dict[str, Any],
+                   rows: list[dict[str, Any]]) -> None:  # fmt: skip
+    """Per row, our AttnLRP in float64 against ours in float32 and against lxt (float32),
+    relative to the float64 scores' max |score|: where ours-vs-lxt is no larger than
+    float32-vs-float64, the two agree to rounding."""
+    import torch
+
+    from contribution_weights.attribution.attnlrp import attnlrp
+    from contribution_weights.attribution.targets import Target
+
+    by_key = {(r["task"], r["index"]): r for r in record["items"]}
+    lx_by_key = {(r["task"], r["index"]): r for r in theirs["items"]}
+    f32 = {}
+    for dtype in (torch.float32, torch.float64):
+        model.model.to(dtype)
+        for row in rows:
+            item = by_key[(row["task"], row["index"])]
+            ids = torch.tensor(item["ids"])
+            for q in ("logprob", "logit"):
+                target = Target(len(ids) - 1, item["answer"], q)
+                got = attnlrp(model, ids, [target])[0].double()
+                if dtype == torch.float32:
+                    f32[(row["task"], row["index"], q)] = got
+                    continue
+                lxt = torch.tensor(lx_by_key[(row["task"], row["index"])][f"rel_{q}"])
+                scale = float(got.abs().max())
+                row["attnlrp_cw_vs_lxt"][q]["float64"] = {
+                    "ours_f32_vs_f64": float((f32[(row["task"], row["index"], q)] - got)
+                                             .abs().max()) / scale,
+                    "lxt_vs_ours_f64": float((lxt.double() - got).abs().max()) / scale,
+                }  # fmt: skip
+    model.model.to(torch.float32)
+
+
 def report(args: argparse.Namespace) -> None:
     import torch
 
@@ -287,21 +352,33 @@ def report(args: argparse.Namespace) -> None:
     theirs = json.loads(Path(args.lxt).read_text())
     model = cw.load_model()
     by_key = {(r["task"], r["index"]): r for r in record["items"]}
-    rankings = [*OURS, "attnlrp", "attnlrp_logit"]
+    # ours: our own AttnLRP is "attnlrp_cw" here; "attnlrp" is lxt's (the reference)
+    ours = [m for m in OURS if not (args.no_ig and m == "integrated_gradients")]
+    named = ["attnlrp_cw" if m == "attnlrp" else m for m in ours]
+    rankings = [*named, "attnlrp", "attnlrp_logit", "attnlrp_cw_logit"]
     rows: list[dict[str, Any]] = []
-    seconds: dict[str, list[float]] = {m: [] for m in OURS}
+    seconds: dict[str, list[float]] = {m: [] for m in named}
     for n_item, lx in enumerate(theirs["items"]):
         item = by_key[(lx["task"], lx["index"])]
         ids, p = item["ids"], len(item["ids"]) - 1
         a = cw.attribute(model, torch.tensor(item["ids"]), token=item["answer"],
-                         quantity="logprob", methods=",".join(OURS), steps=args.steps,
+                         quantity="logprob", methods=",".join(ours), steps=args.steps,
                          progress=False)  # fmt: skip
-        scores = {m: a[m][0].tolist() for m in OURS}
-        for m in OURS:
-            seconds[m].append(a.seconds[m])
+        scores = {n: a[m][0].tolist() for m, n in zip(ours, named, strict=True)}
+        for m, n in zip(ours, named, strict=True):
+            seconds[n].append(a.seconds[m])
+        # like with like: our AttnLRP of the logit against lxt's native logit relevances
+        b = cw.attribute(model, torch.tensor(item["ids"]), token=item["answer"],
+                         quantity="logit", methods="attnlrp", progress=False)  # fmt: skip
+        scores["attnlrp_cw_logit"] = b["attnlrp"][0].tolist()
         scores["attnlrp"] = lx["rel_logprob"]
         scores["attnlrp_logit"] = lx["rel_logit"]
         cand = slice(1, p)
+        agreement = {
+            q: _agreement(scores[mine], scores[theirs_])
+            for q, mine, theirs_ in (("logprob", "attnlrp_cw", "attnlrp"),
+                                     ("logit", "attnlrp_cw_logit", "attnlrp_logit"))
+        }  # fmt: skip
         row: dict[str, Any] = {
             "task": lx["task"],
             "index": lx["index"],
@@ -322,13 +399,17 @@ def report(args: argparse.Namespace) -> None:
                 for x, y in zip(lx["plain_rel_logprob"], scores["input_x_gradient"], strict=True)
             ),
             "ixg_max_abs": max(abs(y) for y in scores["input_x_gradient"]),
+            # our AttnLRP against lxt's, per item: max |diff| / max |lxt|, Spearman (all
+            # positions and 1..p-1)
+            "attnlrp_cw_vs_lxt": agreement,
             "rank": {m: _rank(scores[m], item["sources"], p) for m in rankings},
             "spearman_vs_attnlrp": {
                 m: _spearman(scores[m][cand], scores["attnlrp"][cand])
-                for m in [*OURS, "attnlrp_logit"]
+                for m in [*named, "attnlrp_logit"]
             },
             "spearman_vs_attnlrp_logit": {
-                m: _spearman(scores[m][cand], scores["attnlrp_logit"][cand]) for m in OURS
+                m: _spearman(scores[m][cand], scores["attnlrp_logit"][cand])
+                for m in [*named, "attnlrp_cw_logit"]
             },
             "attnlrp": [round(v, 6) for v in lx["rel_logprob"]],
             "attnlrp_logit": [round(v, 6) for v in lx["rel_logit"]],
@@ -336,6 +417,8 @@ def report(args: argparse.Namespace) -> None:
         rows.append(row)
         if n_item == 0 or (n_item + 1) % 8 == 0:
             print(f"ours: item {n_item + 1}/{len(theirs['items'])}", flush=True)
+    if args.float64_check:  # how much of ours-vs-lxt is float32 rounding: ours in float64
+        _float64_check(model, record, theirs, rows)
     summary: dict[str, Any] = {}
     for task in [*TASKS, "all"]:
         sub = [r for r in rows if task in ("all", r["task"])]
@@ -349,10 +432,11 @@ def report(args: argparse.Namespace) -> None:
             "mean_rank": {m: sum(r["rank"][m] for r in sub) / len(sub) for m in rankings},
             "spearman_vs_attnlrp": {
                 m: _mean_se([r["spearman_vs_attnlrp"][m] for r in sub])
-                for m in [*OURS, "attnlrp_logit"]
+                for m in [*named, "attnlrp_logit"]
             },
             "spearman_vs_attnlrp_logit": {
-                m: _mean_se([r["spearman_vs_attnlrp_logit"][m] for r in sub]) for m in OURS
+                m: _mean_se([r["spearman_vs_attnlrp_logit"][m] for r in sub])
+                for m in [*named, "attnlrp_cw_logit"]
             },
         }
     checks = {
@@ -360,6 +444,28 @@ def report(args: argparse.Namespace) -> None:
         "patched_forward_logprob_max_abs_diff": max(r["patched_logprob_diff"] for r in rows),
         "plain_ixg_max_abs_diff": max(r["ixg_max_abs_diff"] for r in rows),
         "plain_ixg_max_abs": max(r["ixg_max_abs"] for r in rows),
+        # our AttnLRP against lxt's: the worst item, and the least Spearman
+        "attnlrp_cw_vs_lxt": {
+            q: {
+                "max_rel_diff": max(r["attnlrp_cw_vs_lxt"][q]["max_rel_diff"] for r in rows),
+                "min_spearman": min(r["attnlrp_cw_vs_lxt"][q]["spearman"] for r in rows),
+                "min_spearman_candidates": min(
+                    r["attnlrp_cw_vs_lxt"][q]["spearman_candidates"] for r in rows
+                ),
+                "max_rel_diff_of_sums": max(
+                    r["attnlrp_cw_vs_lxt"][q]["rel_diff_of_sums"] for r in rows
+                ),
+                **(
+                    {
+                        f"max_{k}": max(r["attnlrp_cw_vs_lxt"][q]["float64"][k] for r in rows)
+                        for k in ("ours_f32_vs_f64", "lxt_vs_ours_f64")
+                    }
+                    if args.float64_check
+                    else {}
+                ),
+            }
+            for q in ("logprob", "logit")
+        },
         # AttnLRP is conservative up to its rules' leaks (eps, the softmax rule): sum / value
         "attnlrp_logit_sum_over_logit": _mean_se(
             [r["attnlrp_sum_logit"] / r["logit_lxt_env"] for r in rows]
@@ -371,19 +477,23 @@ def report(args: argparse.Namespace) -> None:
     import transformers
 
     out = {
-        "what": "AttnLRP (lxt 2.1, efficient LLaMA rules) against contribution flow, input x "
-        "gradient and integrated gradients on the known-answer items of "
-        "cw attribution-eval; see benchmarks/attnlrp_crosscheck.py",
+        "what": "AttnLRP (lxt 2.1, efficient LLaMA rules) against our own AttnLRP "
+        "(attnlrp_cw, contribution_weights.attribution.attnlrp), contribution flow, input x "
+        "gradient" + ("" if args.no_ig else " and integrated gradients") + " on the "
+        "known-answer items of cw attribution-eval; see benchmarks/attnlrp_crosscheck.py",
+        "methods": rankings,
         "model": record["model"],
         "tokens": record["tokens"],
         "seed": record["seed"],
         "n_per_task": max(r["index"] for r in rows) + 1,
-        "steps": args.steps,
+        "steps": None if args.no_ig else args.steps,
         "explained": {
             "ours": "log P(answer) at the last position (flow: its linear part, method §7.3)",
             "attnlrp": "backward from log_softmax(logits)[answer]: AttnLRP of z_t - sum_v P_v "
             "z_v with P fixed (the linear part of log P)",
             "attnlrp_logit": "the answer's logit z_t (what AttnLRP natively explains)",
+            "attnlrp_cw": "ours, as attnlrp (cw.attribute quantity logprob)",
+            "attnlrp_cw_logit": "ours, as attnlrp_logit (cw.attribute quantity logit)",
         },
         "candidates": "positions 1..p-1 (token 0 and the target position p excluded), for "
         "the ranks and for the Spearman correlations",
@@ -451,6 +561,14 @@ def main() -> int:
     c.add_argument("--items", type=Path, required=True)
     c.add_argument("--lxt", type=Path, required=True)
     c.add_argument("--steps", type=int, default=50, help="integrated gradients steps (50)")
+    c.add_argument(
+        "--no-ig",
+        action="store_true",
+        help="leave integrated gradients out (most of the step's time)",
+    )
+    c.add_argument("--float64-check", action="store_true",
+                   help="also run our AttnLRP in float64: how much of ours-vs-lxt is float32 "
+                   "rounding")  # fmt: skip
     c.add_argument("--report", type=Path, required=True)
     args = p.parse_args()
     {"items": items, "lxt": lxt_side, "report": report}[args.side](args)

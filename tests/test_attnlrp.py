@@ -100,8 +100,8 @@ def reference_llama(model: LoadedModel, ids: torch.Tensor, t: Target) -> torch.T
         p = (q @ k.transpose(-1, -2) * hd**-0.5 + causal).softmax(-1)
         h = h + a.o_proj((p @ v).transpose(1, 2).reshape(1, T, heads * hd))
         x = norm(h, layer.post_attention_layernorm)
-        gate = a_gate = layer.mlp.gate_proj(x)
-        gate = a_gate * (F.silu(a_gate) / a_gate).detach()
+        pre = layer.mlp.gate_proj(x)
+        gate = pre * (F.silu(pre) / pre).detach()
         h = h + layer.mlp.down_proj(grad_times(gate * layer.mlp.up_proj(x), 0.5))
     logits = lm.lm_head(norm(h, m.norm))[0, t.position]
     value = torch.log_softmax(logits, -1)[t.token]
