@@ -127,17 +127,12 @@ def _record(audit: list[Tensor], term: Tensor) -> None:
 
 
 def _attention(
-    module: nn.Module,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attention_mask: Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    softcap: float | None = None,
-    **kwargs: Any,
-) -> tuple[Tensor, None]:
-    """Eager attention with AttnLRP's rules (see the module docstring)."""
+    module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+    attention_mask: Tensor | None, **kwargs: Any,
+) -> tuple[Tensor, None]:  # fmt: skip
+    """Eager attention with AttnLRP's rules (see the module docstring); no dropout (eval
+    mode); ``scaling`` and ``softcap`` read from ``kwargs`` as transformers passes them."""
+    scaling, softcap = kwargs.get("scaling"), kwargs.get("softcap")
     if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
         raise UnsupportedModelError("AttnLRP: learned attention sinks (s_aux) are not supported")
     query, key, value = _scale_grad(query, 0.25), _scale_grad(key, 0.25), _scale_grad(value, 0.5)
@@ -169,14 +164,11 @@ def _attention(
 
 def _ensure_registered() -> None:
     global _registered
-    if _registered:
-        return
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+    if not _registered:
+        from ..capture import register_attention
 
-    AttentionInterface.register(ATTN_IMPLEMENTATION, _attention)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, eager_mask)
-    _registered = True
+        register_attention(ATTN_IMPLEMENTATION, _attention, "eager")
+        _registered = True
 
 
 def _eps(module: nn.Module) -> float:

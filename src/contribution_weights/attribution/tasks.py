@@ -144,11 +144,7 @@ def make_item(
         if room < 2:
             raise ValueError(f"passkey items need more than {tokens} tokens")
         padding = (filler * (room // len(filler) + 1))[:room]
-        at = int(rng.integers(0, room + 1))
-        ids = prefix + padding[:at] + needle_head
-        source = len(ids) + first
-        ids += digits + needle_tail + padding[at:] + question
-        return Item(ids, digits[first], [source])
+        return _hidden(rng, prefix, padding, needle_head, digits, first, needle_tail, question)
     raise ValueError(f"unknown task {task!r}; known-answer tasks: {', '.join(KNOWN_ANSWER)}")
 
 
@@ -207,6 +203,18 @@ def _pool(tokenizer: Any, r: Recipe) -> np.ndarray:
     return ids[~np.isin(ids, list(special))] if special else ids
 
 
+def _hidden(
+    rng: np.random.Generator, prefix: list[int], filler: list[int], needle: list[int],
+    digits: list[int], first: int, tail: list[int], question: list[int],
+) -> Item:  # fmt: skip
+    """A passkey item: the needle and its digits hidden at a drawn point of the filler."""
+    at = int(rng.integers(0, len(filler) + 1))
+    ids = prefix + filler[:at] + needle
+    source = len(ids) + first
+    ids += digits + tail + filler[at:] + question
+    return Item(ids, digits[first], [source])
+
+
 def fresh_item(task: str, tokenizer: Any, index: int, seed: int, tokens: int) -> Item:
     """Item ``index`` of ``task`` by the ``fresh`` generator (module docstring)."""
     r = recipe(tokenizer, seed)
@@ -246,11 +254,7 @@ def fresh_item(task: str, tokenizer: Any, index: int, seed: int, tokens: int) ->
         if room < 2:
             raise ValueError(f"passkey items need more than {tokens} tokens")
         filler = [int(t) for t in rng.choice(pool, size=room)]
-        at = int(rng.integers(0, room + 1))
-        ids = prefix + filler[:at] + needle
-        source = len(ids) + first
-        ids += digits + tail + filler[at:] + question
-        return Item(ids, digits[first], [source])
+        return _hidden(rng, prefix, filler, needle, digits, first, tail, question)
     raise ValueError(f"unknown task {task!r}; known-answer tasks: {', '.join(KNOWN_ANSWER)}")
 
 

@@ -136,20 +136,24 @@ def _fallback_spec(module: nn.Module) -> FamilySpec:
     return family_for(config)
 
 
-def ensure_registered() -> None:
-    """Register the attention and mask functions with transformers (idempotent)."""
-    global _registered
-    if _registered:
-        return
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+def register_attention(name: str, function: Any, mask: str) -> None:
+    """Register ``function`` with transformers as attention implementation ``name``, with
+    transformers' ``mask`` (``"sdpa"`` or ``"eager"``) mask function."""
+    from transformers import AttentionInterface, masking_utils
 
-    AttentionInterface.register(ATTN_IMPLEMENTATION, _attention)
-    # sdpa's mask function: None for a plain causal mask (no T × T tensor is built; the
-    # attention function masks each block itself, exactly as eager's additive mask does),
-    # a bool mask where one is needed (sliding windows, padding)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
-    _registered = True
+    AttentionInterface.register(name, function)
+    masking_utils.AttentionMaskInterface.register(name, getattr(masking_utils, f"{mask}_mask"))
+
+
+def ensure_registered() -> None:
+    """Register the attention and mask functions with transformers (idempotent). sdpa's
+    mask function: None for a plain causal mask (no T × T tensor is built; the attention
+    function masks each block itself, exactly as eager's additive mask does), a bool mask
+    where one is needed (sliding windows, padding)."""
+    global _registered
+    if not _registered:
+        register_attention(ATTN_IMPLEMENTATION, _attention, "sdpa")
+        _registered = True
 
 
 @contextmanager
