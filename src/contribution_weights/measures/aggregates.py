@@ -106,7 +106,7 @@ def sum_a_log_a(a: Float[Tensor, "*lead t"]) -> Float[Tensor, "*lead"]:
     tiny = torch.finfo(a.dtype).tiny
     t = a.shape[-1]
     step = max(1, LOG_CHUNK_BYTES // max(1, t * a.element_size()))
-    if a.requires_grad or a.dim() < 2 or a[..., 0].numel() <= step:
+    if a.requires_grad or a.dim() < 2 or t == 0 or a.numel() // t <= step:
         log2 = a.clamp_min(tiny).log2_()
         return torch.linalg.vecdot(a, log2) * math.log(2)
     flat = a.flatten(0, -2)
