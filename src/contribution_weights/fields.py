@@ -108,15 +108,19 @@ def as_ints(value: int | str | Sequence[int]) -> list[int]:
         raise ValueError(f"expected whole numbers like 0,5,-1, not {value!r}") from None
 
 
-def int_ranges(items: Sequence[int]) -> str:
-    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2, 5, 7-8"`` (the inverse of a ``--layers`` list)."""
+def int_ranges(items: Sequence[int], *, dash: str = "-", least: int = 2) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2, 5, 7-8"`` (the inverse of a ``--layers`` list):
+    runs of ``least`` or more consecutive numbers as ranges joined by ``dash``, shorter
+    runs number by number."""
     runs: list[list[int]] = []
     for x in items:
         if runs and x == runs[-1][-1] + 1:
             runs[-1].append(x)
         else:
             runs.append([x])
-    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+    return ", ".join(
+        f"{r[0]}{dash}{r[-1]}" if len(r) >= least else ", ".join(map(str, r)) for r in runs
+    )
 
 
 def as_bytes(value: int | float | str) -> int:

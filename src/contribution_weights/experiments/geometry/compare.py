@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ...fields import int_ranges
 from ..paired import bootstrap_interval
 
 SPEC = "compare.json"
@@ -142,15 +143,7 @@ def _table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
 
 def _layers(layers: Sequence[int]) -> str:
     """``18, 20, 23–26``: runs of three or more consecutive layers as ranges."""
-    runs: list[list[int]] = []
-    for layer in layers:
-        if runs and layer == runs[-1][-1] + 1:
-            runs[-1].append(layer)
-        else:
-            runs.append([layer])
-    return ", ".join(
-        f"{run[0]}–{run[-1]}" if len(run) >= 3 else ", ".join(map(str, run)) for run in runs
-    )
+    return int_ranges(layers, dash="–", least=3)
 
 
 def _gamma(rows: list[dict[str, Any]], gamma: float) -> dict[str, Any]:
