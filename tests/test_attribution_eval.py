@@ -191,6 +191,12 @@ def test_a_deletion_run_writes_its_tables_and_resumes(tmp_path):
     assert result.summary["top1_all"].isna().all()  # not a 0% hit rate
     again = attribution_eval(model, texts, options=options, out=tmp_path, resume=True)
     pd.testing.assert_frame_equal(again.rows, result.rows, check_dtype=False)
+    config_file = tmp_path / "config.json"
+    config = json.loads(config_file.read_text())
+    del config["generator"]  # as a run written before --generator existed
+    config_file.write_text(json.dumps(config))
+    again = attribution_eval(model, texts, options=options, out=tmp_path, resume=True)
+    pd.testing.assert_frame_equal(again.rows, result.rows, check_dtype=False)
     cw.plot(again, tmp_path / "attribution-eval.png")
     assert (tmp_path / "attribution-eval.png").stat().st_size > 10_000
 

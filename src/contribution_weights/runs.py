@@ -70,7 +70,7 @@ ADDED: dict[str, dict[str, Any]] = {
     "faithfulness": {"intervention": "value_zero", "baselines": [], "random_seeds": 3},
     "downstream": {"intervention": "value_zero", "baselines": [], "random_seeds": 3},
     "kv-eval": {"ruler_tasks": "all", "settings": ["query_agnostic"]},
-    "attribution-eval": {"added_methods": []},
+    "attribution-eval": {"added_methods": [], "generator": "words"},
 }
 
 
