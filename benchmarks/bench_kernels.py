@@ -3,6 +3,9 @@
 ``python benchmarks/bench_kernels.py [--model smollm2] [--lengths 2048,4096] [--layers 0,15,29]
 [--measures all] [--repeats 3] [--profile] [--out FILE.json]``
 
+``python benchmarks/bench_kernels.py --tables FILE.json`` writes ``FILE.md`` again from a
+results file (what ``--out`` writes beside the JSON; the docs quote its tables).
+
 For each length T, in one process and on the same input (FineWeb-Edu documents joined, cut
 to T tokens), it times the median of ``--repeats`` interleaved rounds (one call of each
 variant per round) of:
@@ -49,6 +52,10 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=None, help="write the results (JSON) here")
     p.add_argument("--block", action="store_true", help="time Σ a ln a on one block only")
     p.add_argument(
+        "--tables", type=Path, default=None, metavar="FILE.json",
+        help="write FILE.md (the Markdown tables) from a results file, and time nothing",
+    )  # fmt: skip
+    p.add_argument(
         "--profile",
         action="store_true",
         help="also profile one trace of each kernel (cProfile) and record where the "
@@ -57,6 +64,10 @@ def main() -> int:
     args = p.parse_args()
     if args.block:
         return block()
+    if args.tables is not None:
+        result = json.loads(args.tables.read_text())
+        args.tables.with_suffix(".md").write_text(markdown(result))
+        return 0
     data_dir()  # $CW_DATA_DIR, checked
 
     import torch
@@ -139,7 +150,59 @@ def main() -> int:
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
+        args.out.with_suffix(".md").write_text(markdown(result))
     return 0
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The results as Markdown: the timings per length, then (for rows with a profile)
+    where each kernel's reduction time went."""
+    rows = result["rows"]
+    layers = round(rows[0]["sdpa_s"] / rows[0]["sdpa_layer_s"])  # the model's layer count
+    lines = [
+        f"# Plain torch against compiled reductions: {result['model']}, layers "
+        f"{', '.join(map(str, result['layers']))} traced, measures {result['measures']}",
+        "",
+        f"{result['machine']}, torch {result['torch']}, {result['threads']} thread(s), "
+        f"OMP_WAIT_POLICY={result['omp_wait_policy'] or 'unset'}; {result['note']}",
+        "",
+        "| T | sdpa forward s | plain: extra s per traced layer | compiled: extra s per "
+        f"traced layer | all {layers} layers, plain / compiled (× sdpa) | first compile s |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['tokens']:,} | {r['sdpa_s']:.2f} | {r['torch_extra_per_layer_s']:.2f} | "
+            f"{r['compiled_extra_per_layer_s']:.2f} | {r['torch_all_layers_over_sdpa']:.1f} / "
+            f"{r['compiled_all_layers_over_sdpa']:.1f} | {r['compile_s']:.1f} |"
+        )
+    for r in (r for r in rows if "profile" in r):
+        plain, comp = r["profile"]["torch"], r["profile"]["compiled"]
+        built = sum(v for k, v in plain.items() if " block (layer." in k)
+        parts = [
+            ("the sums (plain: `block_sums`; compiled: inductor's fused kernel)",
+             plain.get("plain sums (kernels.block_sums)"), comp.get("compiled kernel (inductor)")),
+            ("the top keys (plain: `top_indices` on the built blocks; compiled: `_top`, the "
+             "candidate chunks read again through the recipes)",
+             plain.get("top keys, plain (reductions.top_indices)"),
+             comp.get("top keys, compiled (recorder._top)")),
+            ("building the blocks summed (plain: ĉ, č, κ, vw; compiled: p, č)", built,
+             comp.get("compiled pass's blocks (recorder._reduce_fused's list)")),
+            ("whole `_reduce`", plain.get("reduce (recorder._reduce, per block)"),
+             comp.get("reduce (recorder._reduce, per block)")),
+        ]  # fmt: skip
+        lines += [
+            "",
+            f"| part of `_reduce` ({len(result['layers'])} layers, {r['tokens']:,} tokens) "
+            "| plain torch s | compiled s |",
+            "| --- | ---: | ---: |",
+        ]
+        lines += [f"| {label} | {_s(a)} | {_s(b)} |" for label, a, b in parts]
+    return "\n".join(lines) + "\n"
+
+
+def _s(seconds: float | None) -> str:
+    return "–" if seconds is None else f"{seconds:.2f}"
 
 
 KERNEL_CHOICES = ("torch", "compiled")
