@@ -25,3 +25,26 @@ def test_kernel_tables_show_a_profile_only_where_one_was_recorded():
     for row in result["rows"]:
         del row["profile"]
     assert "_reduce" not in bench.markdown(result)
+
+
+def test_full_context_table_is_what_its_runs_give():
+    full = load_benchmark("full_context")
+    assert (RESULTS / "bench-trace" / "full-context.md").read_text() == full.table()
+
+
+def test_a_bench_trace_run_is_filed_one_file_per_result(tmp_path):
+    full = load_benchmark("full_context")
+    run = {
+        "machine": "x86_64, 2 CPUs, torch threads: 1, Python 3.11.7, model smollm2",
+        "results": [
+            {"method": "sdpa", "tokens": 4096, "seconds": 10.0, "peak_mb": 100.0, "disk_mb": 0},
+            {"method": "no-maps", "tokens": 4096, "seconds": 45.0, "peak_mb": 900.0},
+            {"method": "eager", "tokens": 4096, "seconds": None, "error": "out of memory"},
+        ],
+    }
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    written = full.add(tmp_path / "run.json", "nothing else running", folder=tmp_path)
+    assert sorted(p.name for p in written) == ["smollm2-no-maps-4096.json", "smollm2-sdpa-4096.json"]
+    rows = full.table(tmp_path).splitlines()[2:]
+    assert rows[0].startswith("| SmolLM2-135M | 4096 | sdpa") and "| 1.0 |" in rows[0]
+    assert "| 45 | 4.5 | 900 |" in rows[1]
