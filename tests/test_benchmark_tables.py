@@ -44,7 +44,10 @@ def test_a_bench_trace_run_is_filed_one_file_per_result(tmp_path):
     }
     (tmp_path / "run.json").write_text(json.dumps(run))
     written = full.add(tmp_path / "run.json", "nothing else running", folder=tmp_path)
-    assert sorted(p.name for p in written) == ["smollm2-no-maps-4096.json", "smollm2-sdpa-4096.json"]
+    assert sorted(p.name for p in written) == [
+        "smollm2-no-maps-4096.json",
+        "smollm2-sdpa-4096.json",
+    ]
     rows = full.table(tmp_path).splitlines()[2:]
     assert rows[0].startswith("| SmolLM2-135M | 4096 | sdpa") and "| 1.0 |" in rows[0]
     assert "| 45 | 4.5 | 900 |" in rows[1]
