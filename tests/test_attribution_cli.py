@@ -364,3 +364,36 @@ def test_attribution_eval_adds_a_method_to_a_finished_run(folder, tmp_path, monk
     monkeypatch.setattr(loading, "load_model", refuse)
     assert main([*base, "--resume", "--add-methods", "flow"]) == 2
     assert "already among --methods" in capsys.readouterr().err
+
+
+def test_resume_alone_keeps_the_runs_task_and_model(tmp_path, capsys):
+    """``--resume --out DIR`` needs neither --task nor --model for a known-answer run: the
+    run's own are kept; a deletion run names the texts it needs again (exit 2), and a new
+    run without inputs is refused as argparse would."""
+    import argparse
+
+    from contribution_weights.cli.experiment_cmd import INPUTS, keep_held_model
+
+    inputs = INPUTS["attribution"]
+    out = tmp_path / "run"
+    out.mkdir()
+    held = {"experiment": "attribution-eval", "model": "gemma3-270m", "task": "passkey"}
+    (out / "config.json").write_text(json.dumps(held))
+
+    def args(**given):
+        blank = dict(dataset=None, texts=None, task=None, model=None, resume=True, out=out)
+        return argparse.Namespace(**{**blank, **given})
+
+    resumed = args()
+    keep_held_model(resumed)
+    assert inputs.resolve(resumed) is None
+    assert (resumed.task, resumed.model) == ("passkey", "gemma3-270m")
+    given = args(task="lookup", model="smollm2")
+    keep_held_model(given)
+    assert inputs.resolve(given) is None and (given.task, given.model) == ("lookup", "smollm2")
+    (out / "config.json").write_text(json.dumps({**held, "task": "deletion"}))
+    assert "give its --dataset NAME or --texts FILE.jsonl again" in inputs.resolve(args())
+    assert main(["attribution-eval", "--resume", "--out", str(out)]) == 2
+    assert "give its --dataset NAME" in capsys.readouterr().err
+    assert main(["attribution-eval", "--out", str(tmp_path / "new")]) == 2
+    assert "one of the arguments --dataset --texts --task is required" in capsys.readouterr().err

@@ -65,6 +65,15 @@ def run_options(
     return options_from_args(options_type, args, **kept, **fixed)
 
 
+def keep_held_model(args: argparse.Namespace) -> None:
+    """With --resume on a folder holding a run and no --model: the run's model."""
+    from ..runs import RunFolder
+
+    held = RunFolder.held_config(args.out) if getattr(args, "resume", False) else None
+    if held and getattr(args, "model", "given") is None and isinstance(held.get("model"), str):
+        args.model = held["model"]
+
+
 def load_inputs(
     args: argparse.Namespace, name: str, inputs: Any
 ) -> tuple[Any, Any, str, dict[str, Any]]:
@@ -174,7 +183,7 @@ class TextsOrTask:
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         from ..data import TEXT_DATASETS
 
-        src = p.add_mutually_exclusive_group(required=True)
+        src = p.add_mutually_exclusive_group()  # one is needed, but --resume keeps the run's
         src.add_argument("--dataset", choices=TEXT_DATASETS, help=f"texts for {self.what}")
         src.add_argument(
             "--texts", type=Path, help=f"a .jsonl file of texts (field: --field) for {self.what}"
@@ -190,6 +199,26 @@ class TextsOrTask:
         p.add_argument(
             "--data-dir", type=Path, default=None, help="data folder (else $CW_DATA_DIR)"
         )
+
+    def resolve(self, args: argparse.Namespace) -> str | None:
+        """Where the command line gives no inputs: a resumed run's generated task (one
+        that reads no texts) as ``args.task``, so that ``--resume --out DIR`` alone
+        continues it; else what is missing (None: nothing is)."""
+        from ..runs import RunFolder
+
+        if args.dataset or args.texts or args.task:
+            return None
+        held = RunFolder.held_config(args.out) if args.resume else None
+        task = (held or {}).get("task")
+        if task in self.tasks and task != self.text_task:
+            args.task = task
+            return None
+        if held is not None:
+            return (
+                f"{args.out} holds a run of --task {task or self.text_task}, which reads "
+                "texts: give its --dataset NAME or --texts FILE.jsonl again"
+            )
+        return "one of the arguments --dataset --texts --task is required"
 
     def read(self, args: argparse.Namespace) -> tuple[Any, str, dict[str, Any]]:
         from .. import data
@@ -266,6 +295,11 @@ def run(args: argparse.Namespace, spec: ExperimentSpec) -> int:
     from ..presentation.figures import figure_for, plot
 
     inputs = INPUTS[spec.inputs]
+    keep_held_model(args)
+    missing = inputs.resolve(args) if hasattr(inputs, "resolve") else None
+    if missing:
+        print(f"cw {spec.name}: error: {missing}", file=sys.stderr)
+        return 2
     fixed = inputs.options(args) if hasattr(inputs, "options") else {}
     options = run_options(args, spec.name, spec.options, fixed)
     entry = spec.entry_point()  # a plugin's bad entry point fails before the model loads
