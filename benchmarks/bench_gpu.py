@@ -18,7 +18,11 @@ one run:
   compiles them in the warm-up run). First measured on an H200 on 2026-12-04
   (docs/long-contexts.md);
 * ``stream``: ``cw.trace(..., measures="contribution", out=DIR)``, every layer's map
-  streamed to a temporary folder in bfloat16 (its size is reported).
+  streamed to a temporary folder in bfloat16 (its size is reported);
+* ``attribute-METHOD`` (``attribute-direct``, ``attribute-attnlrp``, any method of
+  ``cw attribute``): ``cw.attribute(model, ids, methods=METHOD)``, the log-probability of
+  the top prediction at the last position explained; against ``sdpa``, what one
+  attribution costs at the 8B shape.
 
 Wall time is one run after a warm-up on the same input (so each row runs twice: budget
 twice its time); peak memory is the accelerator's
@@ -157,6 +161,9 @@ def run(model: Any, method: str, ids: Any, folder: Path, profile: Path | None = 
     import contribution_weights as cw
 
     def once() -> None:
+        if method.startswith("attribute-"):  # gradient methods need autograd
+            cw.attribute(model, ids, methods=method.removeprefix("attribute-"), progress=False)
+            return
         with torch.no_grad():
             if method == "sdpa":
                 model.model.set_attn_implementation("sdpa")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks, as one command for a machine with one CUDA GPU and PyTorch + Triton
-# installed (at most 8 minutes: each step has its own time limit, and a step that runs out
-# of time leaves the others' results):
+# installed (its steps' time limits sum to 8 min 45 s; a step that runs out of time leaves
+# the others' results):
 #
 #   1. on the GPU, against the CPU / the plain path: the tiled Triton kernels
 #      (kernels="triton", tests/test_tiled.py::test_compiled_on_a_gpu) and every KV-cache
@@ -15,12 +15,14 @@
 #      and the tiled kernels; at 32,768 tokens sdpa and the tiled kernels (the plain path's
 #      two runs there would not fit the time limit); on the whole 32-layer model at 8,192
 #      tokens sdpa and the tiled kernels (peak memory: does it fit one 80 GB GPU);
-#   4. benchmarks/bench_faithfulness.py --shape llama-8b on 2 layers: one 512-token text's
+#   4. benchmarks/bench_gpu.py on 2 layers at 512 and 4,096 tokens: cw.attribute with
+#      direct and with attnlrp against the sdpa forward of the same layers;
+#   5. benchmarks/bench_faithfulness.py --shape llama-8b on 2 layers: one 512-token text's
 #      sweep (80 configurations and the clean row) against plain eager and sdpa forwards
 #      of the same batches;
-#   5. benchmarks/gpu_summary.py: the one table of every case against its baseline of the
+#   6. benchmarks/gpu_summary.py: the one table of every case against its baseline of the
 #      same run and its target, summary.json and summary.md (the README quotes it);
-#   6. with PROFILE=1 only, the tiled kernels' row again under torch.profiler
+#   7. with PROFILE=1 only, the tiled kernels' row again under torch.profiler
 #      (bench_gpu.py --profile): the kernels' and operators' table, heaviest GPU time first.
 #
 # Results go to $OUT (default gpu-out/): logs, bench_kv.json, trace*/ and whole/
@@ -53,11 +55,15 @@ timeout 90 python3 benchmarks/bench_gpu.py --device cuda --layers 2 --lengths 32
     --methods sdpa,no-maps-triton --out "$OUT/trace-32k" 2>&1 | tee "$OUT/bench_gpu-32k.log"
 timeout 90 python3 benchmarks/bench_gpu.py --device cuda --lengths 8192 \
     --methods sdpa,no-maps-triton --out "$OUT/whole" 2>&1 | tee "$OUT/bench_gpu-whole.log"
+timeout 45 python3 benchmarks/bench_gpu.py --device cuda --layers 2 --lengths 512,4096 \
+    --methods sdpa,attribute-direct,attribute-attnlrp --out "$OUT/attribution" 2>&1 \
+    | tee "$OUT/bench_gpu-attribution.log"
 (cd benchmarks && timeout 40 python3 bench_faithfulness.py --shape llama-8b --device cuda \
     --layers 2 --tokens 512 --repeats 2 --out "$OUT/faithfulness") 2>&1 \
     | tee "$OUT/bench_faithfulness.log"
 python3 benchmarks/gpu_summary.py --kv "$OUT/bench_kv.json" --trace "$OUT/trace/bench_gpu.json" \
     --trace "$OUT/trace-32k/bench_gpu.json" --trace "$OUT/whole/bench_gpu.json" \
+    --trace "$OUT/attribution/bench_gpu.json" \
     --faithfulness "$OUT/faithfulness/results.json" --out "$OUT"
 if [ "${PROFILE:-0}" = 1 ]; then
     timeout 90 python3 benchmarks/bench_gpu.py --device cuda --layers 2 --lengths 8192 \

@@ -69,6 +69,8 @@ def trace_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
         target = TRACE_TARGETS.get(r["method"])
         base = floor.get(r["tokens"])
         case = f"trace {r['method']}"
+        if r["method"].startswith("attribute-"):  # cw.attribute's cost over one forward
+            case, target = f"attribution {r['method'].removeprefix('attribute-')}", 1.5
         rows.append(_row(case, r["tokens"], layers, r["seconds"], base, target=target, **extra))
     return rows
 

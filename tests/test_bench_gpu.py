@@ -27,7 +27,8 @@ def test_bench_gpu_runs_tiny_on_cpu(tmp_path):
             "--lengths",
             "48",
             "--methods",
-            "sdpa,no-maps,no-maps-triton,stream",  # -compiled: in tests/test_kernels.py
+            # no-maps-compiled: in tests/test_kernels.py
+            "sdpa,no-maps,no-maps-triton,stream,attribute-direct,attribute-attnlrp",
             "--out",
             str(tmp_path),
             "--profile",
@@ -35,10 +36,12 @@ def test_bench_gpu_runs_tiny_on_cpu(tmp_path):
     )
     assert code == 0
     results = json.loads((tmp_path / "bench_gpu.json").read_text())["results"]
-    assert [r["method"] for r in results] == ["sdpa", "no-maps", "no-maps-triton", "stream"]
+    assert [r["method"] for r in results] == [
+        "sdpa", "no-maps", "no-maps-triton", "stream", "attribute-direct", "attribute-attnlrp"
+    ]  # fmt: skip
     profile = (tmp_path / "profile-no-maps-48.txt").read_text()
     assert profile.startswith("profiled run:") and "aten::" in profile
-    stream = results[-1]
+    stream = results[3]
     assert stream["disk_mb"] > 0 and all(r["seconds"] > 0 for r in results)
     assert "| 48 | no-maps |" in (tmp_path / "bench_gpu.md").read_text()
 
