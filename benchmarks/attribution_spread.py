@@ -2,8 +2,9 @@
 
 The runs are ``cw attribution-eval --generator fresh --seed S`` (S = 1, 2, 3: each seed
 draws its own vocabulary range, item lengths, separators and phrasing), 64 items of at
-most 64 tokens per task and model, methods direct, flow and input x gradient, one rate
-(0.1) and the key_mask removal for the curves::
+most 64 tokens per task and model, methods direct, flow and input x gradient (AttnLRP
+added to the finished runs by ``--resume --add-methods attnlrp``), one rate (0.1) and the
+key_mask removal for the curves::
 
     cw attribution-eval --model M --task T --generator fresh --seed S --n 64 --tokens 64 \\
         --methods direct,flow,input_x_gradient --rates 0.1 --interventions key_mask \\
@@ -11,7 +12,8 @@ most 64 tokens per task and model, methods direct, flow and input x gradient, on
 
 This script reads their ``summary.csv`` and ``hits_paired.csv`` and writes
 ``spread.md``: per model, task and method the top-1 rate of each setting and their
-range, and per setting the paired verdict of direct against flow (McNemar, Holm).
+range, and per setting the paired verdicts of direct against flow and AttnLRP (McNemar,
+Holm).
 ``python benchmarks/attribution_spread.py docs/results/attribution-fresh`` rebuilds it;
 tests/test_attribution_spread.py checks that the committed file is what the runs give.
 """
@@ -25,7 +27,9 @@ from pathlib import Path
 MODELS = ("smollm2", "gemma3-270m")
 TASKS = ("induction", "lookup", "passkey")
 SEEDS = (1, 2, 3)
-METHODS = ("direct", "flow", "input_x_gradient")
+METHODS = ("direct", "attnlrp", "flow", "input_x_gradient")
+#: the methods direct is tested against, one verdict column each
+VERSUS = ("flow", "attnlrp")
 
 
 def _rows(path: Path) -> list[dict[str, str]]:
@@ -33,33 +37,44 @@ def _rows(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(fh))
 
 
+def _verdict(run: Path, other: str) -> str:
+    """direct against ``other`` in this run's paired top-1 tests, from direct's side."""
+    pair = [
+        r
+        for r in _rows(run / "hits_paired.csv")
+        if {r["reference"], r["other"]} == {"direct", other}
+    ]
+    if not pair:
+        return "–"
+    v = pair[0]["verdict"]
+    if pair[0]["reference"] == other:
+        return {"other better": "direct better", "reference better": f"{other} better"}.get(v, v)
+    return {"reference better": "direct better", "other better": f"{other} better"}.get(v, v)
+
+
 def spread_table(root: Path) -> str:
-    """The Markdown table of ``spread.md`` from the run folders under ``root``."""
+    """The Markdown table of ``spread.md`` from the run folders under ``root``: a method's
+    row where at least one setting has it ("–" in the others)."""
     head = "| model | task | method | " + " | ".join(f"top-1 s{s}" for s in SEEDS)
-    lines = [head + " | range | direct vs flow (s1, s2, s3) |",
-             "| --- | --- | --- | " + "---: | " * len(SEEDS) + "---: | --- |"]  # fmt: skip
+    versus = " | ".join(f"direct vs {o} (s1, s2, s3)" for o in VERSUS)
+    rule = "| --- | --- | --- | " + "---: | " * len(SEEDS) + "---: |" + " --- |" * len(VERSUS)
+    lines = [f"{head} | range | {versus} |", rule]
     for model in MODELS:
         for task in TASKS:
             runs = [root / f"{model}-{task}-s{s}" for s in SEEDS]
             top1 = [{r["measure"]: float(r["top1"]) for r in _rows(run / "summary.csv")}
                     for run in runs]  # fmt: skip
-            verdicts = []
-            for run in runs:
-                pair = [r for r in _rows(run / "hits_paired.csv")
-                        if {r["reference"], r["other"]} == {"direct", "flow"}]  # fmt: skip
-                v = pair[0]["verdict"] if pair else "–"
-                if pair and pair[0]["reference"] == "flow":
-                    v = {"other better": "direct better", "reference better": "flow better"}.get(
-                        v, v
-                    )
-                verdicts.append(v)
+            verdicts = [", ".join(_verdict(run, o) for run in runs) for o in VERSUS]
             for method in METHODS:
-                vals = [t[method] for t in top1]
-                cells = " | ".join(f"{v:.2f}" for v in vals)
-                extra = ", ".join(verdicts) if method == "direct" else ""
+                vals = [t.get(method) for t in top1]
+                held = [v for v in vals if v is not None]
+                if not held:
+                    continue
+                cells = " | ".join("–" if v is None else f"{v:.2f}" for v in vals)
+                extra = " | ".join(verdicts if method == "direct" else [""] * len(VERSUS))
                 lines.append(
                     f"| {model} | {task} | {method} | {cells} | "
-                    f"{min(vals):.2f}–{max(vals):.2f} | {extra} |"
+                    f"{min(held):.2f}–{max(held):.2f} | {extra} |"
                 )
     return "\n".join(lines) + "\n"
 

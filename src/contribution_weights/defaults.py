@@ -66,6 +66,6 @@ ATTRIBUTION_INTERVENTIONS = ("key_mask", "embedding")
 ATTRIBUTION_GENERATORS = ("words", "fresh")
 ATTRIBUTION_RATES = (0.05, 0.1, 0.2, 0.3, 0.5)
 ATTRIBUTION_METHODS = (
-    "flow", "direct", "rollout", "alti", "value_zeroing", "input_x_gradient",
+    "flow", "direct", "attnlrp", "rollout", "alti", "value_zeroing", "input_x_gradient",
     "integrated_gradients", "feature_ablation",
 )  # fmt: skip
