@@ -28,7 +28,7 @@ MODELS = ("smollm2", "gemma3-270m")
 KNOWN = ("induction-64", "lookup-64", "passkey-128")
 MODES = ("comprehensiveness", "sufficiency")
 EDITS = ("key_mask", "embedding")
-CANDIDATES = ("direct", "attnlrp", "flow", "direct_abs", "flow_abs")
+CANDIDATES = ("direct", "direct_abs", "attnlrp", "attnlrp_abs", "flow", "flow_abs")
 
 
 def _rows(path: Path) -> list[dict[str, str]]:

@@ -51,3 +51,30 @@ def test_a_bench_trace_run_is_filed_one_file_per_result(tmp_path):
     rows = full.table(tmp_path).splitlines()[2:]
     assert rows[0].startswith("| SmolLM2-135M | 4096 | sdpa") and "| 1.0 |" in rows[0]
     assert "| 45 | 4.5 | 900 |" in rows[1]
+
+
+def test_default_method_table_is_what_the_runs_give():
+    default = load_benchmark("attribution_default")
+    assert (RESULTS / "attribution-default" / "default.md").read_text() == default.default_table()
+
+
+def test_default_table_names_who_beats_a_method(tmp_path):
+    """A top-1 below a better method names it; a tie with the best says so; a curve cell
+    counts the rates at which nothing is better."""
+    default = load_benchmark("attribution_default")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.csv").write_text("measure,top1\ndirect,0.9\nflow,0.5\nablation,0.95\n")
+    (run / "hits_paired.csv").write_text(
+        "reference,other,verdict\nflow,direct,other better\nflow,ablation,other better\n"
+        "direct,ablation,tie\ndirect,flow,reference better\n"
+    )
+    assert default.known_cell(run, "direct") == "0.90 tied"
+    assert default.known_cell(run, "flow") == "0.50 < ablation, direct"
+    assert default.known_cell(run, "ablation") == "–"  # no paired tests of its own
+    (run / "paired.csv").write_text(
+        "intervention,mode,rate,reference,other,verdict\n"
+        "key_mask,sufficiency,0.1,direct,ablation,other better\n"
+        "key_mask,sufficiency,0.5,direct,ablation,tie\n"
+    )
+    assert default.curve_cell(run, "direct", "sufficiency", "key_mask") == "1/2 (< ablation)"
