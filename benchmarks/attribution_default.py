@@ -20,8 +20,9 @@ checks that the committed file is what the runs give.
 from __future__ import annotations
 
 import argparse
-import csv
 from pathlib import Path
+
+from attribution_spread import csv_rows  # benchmarks/attribution_spread.py, beside this
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 MODELS = ("smollm2", "gemma3-270m")
@@ -29,11 +30,6 @@ KNOWN = ("induction-64", "lookup-64", "passkey-128")
 MODES = ("comprehensiveness", "sufficiency")
 EDITS = ("key_mask", "embedding")
 CANDIDATES = ("direct", "direct_abs", "attnlrp", "attnlrp_abs", "flow", "flow_abs")
-
-
-def _rows(path: Path) -> list[dict[str, str]]:
-    with path.open() as fh:
-        return list(csv.DictReader(fh))
 
 
 def _better_than(rows: list[dict[str, str]], method: str) -> set[str]:
@@ -56,10 +52,10 @@ def _names(methods: set[str]) -> str:
 
 
 def known_cell(run: Path, method: str) -> str:
-    hits = _rows(run / "hits_paired.csv")
+    hits = csv_rows(run / "hits_paired.csv")
     if not any(r["reference"] == method for r in hits):
         return "–"
-    top1 = {r["measure"]: float(r["top1"]) for r in _rows(run / "summary.csv") if r["top1"]}
+    top1 = {r["measure"]: float(r["top1"]) for r in csv_rows(run / "summary.csv") if r["top1"]}
     above = _better_than(hits, method)
     best = max(v for k, v in top1.items() if _tested(hits, k))
     word = "best" if top1[method] == best else "tied" if not above else f"< {_names(above)}"
@@ -68,7 +64,7 @@ def known_cell(run: Path, method: str) -> str:
 
 def curve_cell(run: Path, method: str, mode: str, edit: str) -> str:
     rows = [
-        r for r in _rows(run / "paired.csv")
+        r for r in csv_rows(run / "paired.csv")
         if r["mode"] == mode and r["intervention"] == edit
     ]  # fmt: skip
     if not any(r["reference"] == method for r in rows):
@@ -105,8 +101,9 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=RESULTS / "attribution-default")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "default.md").write_text(default_table())
-    print(default_table())
+    table = default_table()
+    (args.out / "default.md").write_text(table)
+    print(table)
     return 0
 
 

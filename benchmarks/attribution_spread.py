@@ -32,7 +32,8 @@ METHODS = ("direct", "attnlrp", "flow", "input_x_gradient")
 VERSUS = ("flow", "attnlrp")
 
 
-def _rows(path: Path) -> list[dict[str, str]]:
+def csv_rows(path: Path) -> list[dict[str, str]]:
+    """A run's CSV file (summary.csv, hits_paired.csv, paired.csv) as its rows."""
     with path.open() as fh:
         return list(csv.DictReader(fh))
 
@@ -41,7 +42,7 @@ def _verdict(run: Path, other: str) -> str:
     """direct against ``other`` in this run's paired top-1 tests, from direct's side."""
     pair = [
         r
-        for r in _rows(run / "hits_paired.csv")
+        for r in csv_rows(run / "hits_paired.csv")
         if {r["reference"], r["other"]} == {"direct", other}
     ]
     if not pair:
@@ -62,7 +63,7 @@ def spread_table(root: Path) -> str:
     for model in MODELS:
         for task in TASKS:
             runs = [root / f"{model}-{task}-s{s}" for s in SEEDS]
-            top1 = [{r["measure"]: float(r["top1"]) for r in _rows(run / "summary.csv")}
+            top1 = [{r["measure"]: float(r["top1"]) for r in csv_rows(run / "summary.csv")}
                     for run in runs]  # fmt: skip
             verdicts = [", ".join(_verdict(run, o) for run in runs) for o in VERSUS]
             for method in METHODS:

@@ -84,8 +84,9 @@ def main() -> int:
     if args.add is not None:
         for path in add(args.add, args.note):
             print(f"wrote {path}")
-    (FOLDER / "full-context.md").write_text(table())
-    print(table())
+    written = table()
+    (FOLDER / "full-context.md").write_text(written)
+    print(written)
     return 0
 
 

@@ -373,6 +373,7 @@ def test_resume_alone_keeps_the_runs_task_and_model(tmp_path, capsys):
     import argparse
 
     from contribution_weights.cli.experiment_cmd import INPUTS, keep_held_model
+    from contribution_weights.runs import RunFolder
 
     inputs = INPUTS["attribution"]
     out = tmp_path / "run"
@@ -384,15 +385,18 @@ def test_resume_alone_keeps_the_runs_task_and_model(tmp_path, capsys):
         blank = dict(dataset=None, texts=None, task=None, model=None, resume=True, out=out)
         return argparse.Namespace(**{**blank, **given})
 
+    config = RunFolder.held_config(out)
     resumed = args()
-    keep_held_model(resumed)
-    assert inputs.resolve(resumed) is None
+    keep_held_model(resumed, config)
+    assert inputs.resolve(resumed, config) is None
     assert (resumed.task, resumed.model) == ("passkey", "gemma3-270m")
     given = args(task="lookup", model="smollm2")
-    keep_held_model(given)
-    assert inputs.resolve(given) is None and (given.task, given.model) == ("lookup", "smollm2")
-    (out / "config.json").write_text(json.dumps({**held, "task": "deletion"}))
-    assert "give its --dataset NAME or --texts FILE.jsonl again" in inputs.resolve(args())
+    keep_held_model(given, config)
+    assert inputs.resolve(given, config) is None
+    assert (given.task, given.model) == ("lookup", "smollm2")
+    deletion = {**held, "task": "deletion"}
+    (out / "config.json").write_text(json.dumps(deletion))
+    assert "give its --dataset NAME or --texts FILE.jsonl again" in inputs.resolve(args(), deletion)
     assert main(["attribution-eval", "--resume", "--out", str(out)]) == 2
     assert "give its --dataset NAME" in capsys.readouterr().err
     assert main(["attribution-eval", "--out", str(tmp_path / "new")]) == 2

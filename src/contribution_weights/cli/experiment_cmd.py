@@ -65,12 +65,10 @@ def run_options(
     return options_from_args(options_type, args, **kept, **fixed)
 
 
-def keep_held_model(args: argparse.Namespace) -> None:
-    """With --resume on a folder holding a run and no --model: the run's model."""
-    from ..runs import RunFolder
-
-    held = RunFolder.held_config(args.out) if getattr(args, "resume", False) else None
-    if held and getattr(args, "model", "given") is None and isinstance(held.get("model"), str):
+def keep_held_model(args: argparse.Namespace, held: dict[str, Any] | None) -> None:
+    """With --resume on a folder holding a run (``held``, its config) and no --model: the
+    run's model."""
+    if held and args.model is None and isinstance(held.get("model"), str):
         args.model = held["model"]
 
 
@@ -200,15 +198,12 @@ class TextsOrTask:
             "--data-dir", type=Path, default=None, help="data folder (else $CW_DATA_DIR)"
         )
 
-    def resolve(self, args: argparse.Namespace) -> str | None:
-        """Where the command line gives no inputs: a resumed run's generated task (one
-        that reads no texts) as ``args.task``, so that ``--resume --out DIR`` alone
-        continues it; else what is missing (None: nothing is)."""
-        from ..runs import RunFolder
-
+    def resolve(self, args: argparse.Namespace, held: dict[str, Any] | None) -> str | None:
+        """Where the command line gives no inputs: a resumed run's (``held``, its config)
+        generated task (one that reads no texts) as ``args.task``, so that ``--resume
+        --out DIR`` alone continues it; else what is missing (None: nothing is)."""
         if args.dataset or args.texts or args.task:
             return None
-        held = RunFolder.held_config(args.out) if args.resume else None
         task = (held or {}).get("task")
         if task in self.tasks and task != self.text_task:
             args.task = task
@@ -293,10 +288,12 @@ def run(args: argparse.Namespace, spec: ExperimentSpec) -> int:
     from ..experiments.result import few_samples_on_stderr
     from ..experiments.runner import processes
     from ..presentation.figures import figure_for, plot
+    from ..runs import RunFolder
 
     inputs = INPUTS[spec.inputs]
-    keep_held_model(args)
-    missing = inputs.resolve(args) if hasattr(inputs, "resolve") else None
+    held = RunFolder.held_config(args.out) if args.resume else None
+    keep_held_model(args, held)
+    missing = inputs.resolve(args, held) if hasattr(inputs, "resolve") else None
     if missing:
         print(f"cw {spec.name}: error: {missing}", file=sys.stderr)
         return 2
