@@ -15,14 +15,14 @@ HELP = "rebuild the results tables and figures from their runs' rows, and the do
 DESCRIPTION = """Every run folder under DIR/docs/results: its summaries, paired tests,
 tables.md and figure are written again from its rows (what the units computed), as the
 run wrote them when it ended; then the cross-run tables of every folder holding a
-compare.json (geometry's runs side by side) are written from those runs' files; then
-every table of the README and docs/ marked `<!-- generated: FILE -->` is copied again
-from its file. With --check nothing is written: the files and pages that differ are
-named, and the exit status is 1 if there are any (0: every table is what its rows give).
-Geometry's folders are rebuilt from their tables.json (their accumulator state is not
-kept); folders of experiments without a result type are named and passed over. Exit
-status 2: a folder could not be read back (each is named; the others are still
-checked)."""
+compare.json (geometry's runs side by side) or a contrasts.json (one pair's paired
+differences over several runs) are written from those runs' files; then every table of
+the README and docs/ marked `<!-- generated: FILE -->` is copied again from its file.
+With --check nothing is written: the files and pages that differ are named, and the exit
+status is 1 if there are any (0: every table is what its rows give). Geometry's folders
+are rebuilt from their tables.json (their accumulator state is not kept); folders of
+experiments without a result type are named and passed over. Exit status 2: a folder
+could not be read back (each is named; the others are still checked)."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -36,6 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from .. import generated
+    from ..experiments import contrasts
     from ..experiments.geometry import compare
     from ..experiments.rebuild import RebuildError, differences, rebuild, run_folders
     from ..progress import bar
@@ -62,9 +63,11 @@ def run(args: argparse.Namespace) -> int:
             stale += 1
             verb = "differs" if args.check else "rebuilt"
             print(f"{verb}: {folder.relative_to(repo)}: {', '.join(found.differing)}")
-    for folder in compare.comparison_folders(root):  # from the run folders just rebuilt
+    cross_run = [(compare, f) for f in compare.comparison_folders(root)]
+    cross_run += [(contrasts, f) for f in contrasts.contrast_folders(root)]
+    for table_set, folder in cross_run:  # from the run folders just rebuilt
         try:
-            changed = compare.differences(folder) if args.check else compare.rebuild(folder)
+            changed = table_set.differences(folder) if args.check else table_set.rebuild(folder)
         except (OSError, KeyError, ValueError) as err:
             failed.append(f"{folder}: its comparison could not be built ({err})")
             continue

@@ -35,6 +35,7 @@ import numpy as np
 import pandas as pd
 
 from ...fields import int_ranges
+from ..contrasts import stale_files, write_stale
 from ..paired import bootstrap_interval
 
 SPEC = "compare.json"
@@ -383,19 +384,9 @@ def comparison_folders(root: str | Path) -> list[Path]:
 
 def differences(folder: str | Path) -> list[str]:
     """The table files of the comparison in ``folder`` that differ from what its runs give."""
-    folder = Path(folder)
-    return [
-        name
-        for name, text in render(folder).items()
-        if not (folder / name).is_file() or (folder / name).read_text() != text
-    ]
+    return stale_files(Path(folder), render(folder))
 
 
 def rebuild(folder: str | Path) -> list[str]:
     """Rewrite the comparison's table files that differ from what its runs give; which."""
-    folder = Path(folder)
-    tables = render(folder)
-    changed = differences(folder)
-    for name in changed:
-        (folder / name).write_text(tables[name])
-    return changed
+    return write_stale(Path(folder), render(folder))
