@@ -758,17 +758,72 @@ def draw(result: dict[str, Any], first: dict[str, Any], path: Path) -> None:
 
 
 # ---- main ----------------------------------------------------------------------------------
+#: the table's names for the predictors (the others are named as they are)
+LABELS = {
+    "alpha_r": "α·r",
+    "alpha_distance": "α·distance",
+    "future_contribution": "oracle: future |ĉ|",
+    "future_attention": "future α",
+}
+MODELS = {"smollm2": "SmolLM2", "gemma3-270m": "Gemma 3"}
+
+
+def _label(pair: str) -> str:
+    return " − ".join(LABELS.get(name, name) for name in pair.split(" - ")).replace("|", "\\|")
+
+
+def _interval(cell: dict[str, float]) -> str:
+    return "{:+.3f} [{:+.3f}, {:+.3f}]".format(cell["mean"], cell["lo"], cell["hi"]).replace(
+        "-", "−"
+    )
+
+
+def markdown(results: list[dict[str, Any]]) -> str:
+    """The paired differences of every pair that has them all, per result (a model): Δρ per
+    head and Δ top-50% overlap per KV head, mean over items and 95% bootstrap interval."""
+    header = ["A − B"]
+    for result in results:
+        name = MODELS.get(result["model"], result["model"])
+        header += [f"{name} Δρ per head", f"{name} Δ overlap 50%"]
+    lines = ["| " + " | ".join(header) + " |", "| --- |" + " ---: |" * (len(header) - 1)]
+    pairs = [k for k, v in results[0]["summary"]["paired"].items() if "spearman_head" in v]
+    for pair in pairs:
+        cells = [_label(pair)]
+        for result in results:
+            entry = result["summary"]["paired"][pair]
+            cells += [_interval(entry["spearman_head"]), _interval(entry["overlap_0.5"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_table(out: Path, sources: list[Path]) -> int:
+    """``--table OUT.md RESULT.json ...``: the Markdown table of committed results."""
+    out.write_text(markdown([json.loads(source.read_text()) for source in sources]))
+    print(f"wrote {out}")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--table", nargs="+", type=Path, metavar=("OUT.md", "RESULT.json"),
+        help="write the paired-difference table of these results (one per model) and stop",
+    )  # fmt: skip
     p.add_argument("--model", default=None)
     p.add_argument("--n", type=int, default=32)
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--continuation", type=int, default=64)
     p.add_argument("--window", type=int, default=64)
     p.add_argument("--nll-items", type=int, default=8, help="items with the NLL check")
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--out", type=Path, default=None)
     p.add_argument("--figure", type=Path, default=None)
     args = p.parse_args()
+    if args.table:
+        if len(args.table) < 2:
+            p.error("--table takes OUT.md and at least one RESULT.json")
+        return write_table(args.table[0], args.table[1:])
+    if args.out is None:
+        p.error("--out is required (or --table OUT.md RESULT.json ...)")
     data_dir()  # $CW_DATA_DIR, checked
 
     import torch

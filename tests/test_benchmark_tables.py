@@ -78,3 +78,13 @@ def test_default_table_names_who_beats_a_method(tmp_path):
         "key_mask,sufficiency,0.5,direct,ablation,tie\n"
     )
     assert default.curve_cell(run, "direct", "sufficiency", "key_mask") == "1/2 (< ablation)"
+
+
+def test_eviction_geometry_table_is_what_its_results_give():
+    names = ("smollm2", "gemma3-270m")
+    results = [RESULTS / f"kv-eviction-geometry-{n}-fineweb-edu-512.json" for n in names]
+    table = load_benchmark("kv_eviction_geometry").markdown(
+        [json.loads(p.read_text()) for p in results]
+    )
+    assert (RESULTS / "kv-eviction-geometry.md").read_text() == table
+    assert "| h2o − window_attention | −0.258 [" in table  # signs as the page prints them
