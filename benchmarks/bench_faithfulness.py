@@ -30,7 +30,8 @@ model's eager and sdpa attention, synchronising the device after each; ``--shape
 
 Every process runs one thread (``OMP_NUM_THREADS=1``): on a shared machine two OpenMP
 threads of one process spin-wait on each other, while two processes of one thread each
-share the cores cleanly. Results go to ``DIR/results.json``.
+share the cores cleanly. Results go to ``DIR/results.json`` and its table to
+``DIR/results.md`` (``--table DIR/results.json`` writes the table again).
 """
 
 from __future__ import annotations
@@ -154,6 +155,51 @@ def cli_run(args: list[str], processes: int, out: Path) -> dict[str, float]:
     return {"wall_seconds": round(wall, 1), "run_seconds": info["seconds"], "rows": n}
 
 
+def markdown(report: dict) -> str:
+    """The Markdown table of a ``results.json`` of the real-model run (not ``--shape``):
+    per length the sweep against the plain eager forward, then the command-line runs."""
+    procs = sorted(
+        {
+            int(k.split("_")[1])
+            for e in report["by_tokens"].values()
+            for k in e
+            if k.startswith("processes_")
+        }
+    )
+    lines = [
+        f"{report['model']}, {report['cpu_count']} CPUs, {report['torch_threads']} torch "
+        f"thread(s) per process, {report['machine']}; measures {report['measures']}, rates "
+        f"{report['rates']}, both modes",
+        "",
+    ]
+    header = [
+        "T",
+        "rows (per forward)",
+        "one sequence's sweep",
+        "plain eager forward",
+        "sweep ÷ eager",
+    ]
+    header += [f"seq/min, {n} process{'es' * (n != 1)}" for n in procs]
+    if len(procs) > 1:
+        header.append(f"{procs[-1]} ÷ {procs[0]}")
+    lines += ["| " + " | ".join(header) + " |", "|" + " ---: |" * len(header)]
+    for tokens, entry in report["by_tokens"].items():
+        ratio = entry["ratio"]
+        cells = [
+            f"{int(tokens):,}",
+            f"{ratio['rows_per_sequence']} ({ratio['rows_per_forward']})",
+            f"{ratio['sweep_seconds']:.1f} s",
+            f"{ratio['eager_forward_seconds']:.1f} s",
+            f"**{ratio['sweep_over_eager']:.2f}**",
+        ]
+        rates = [entry[f"processes_{n}"]["sequences_per_minute"] for n in procs]
+        cells += [f"{r:.2f}" for r in rates]
+        if len(procs) > 1:
+            cells.append(f"{rates[-1] / rates[0]:.2f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=4, help="texts per command-line run (default 4)")
@@ -163,7 +209,11 @@ def main() -> int:
     p.add_argument("--rates", default="0.1,0.3,0.5")
     p.add_argument("--repeats", type=int, default=3, help="sweep/eager timings (median)")
     p.add_argument("--model", default=None)
-    p.add_argument("--out", type=Path, default=None, help="write results.json here")
+    p.add_argument("--out", type=Path, default=None, help="write results.json and results.md here")
+    p.add_argument(
+        "--table", type=Path, default=None, metavar="RESULTS.json",
+        help="write the results.md of this results.json beside it and stop",
+    )  # fmt: skip
     p.add_argument(
         "--shape", choices=["llama-8b", "tiny"], default=None,
         help="the sweep alone on a random model of this shape (default options, random ids)",
@@ -172,6 +222,9 @@ def main() -> int:
     p.add_argument("--dtype", default="bfloat16", help="with --shape: its dtype")
     p.add_argument("--layers", type=int, default=None, help="with --shape: this many of its layers")
     args = p.parse_args()
+    if args.table is not None:
+        args.table.with_suffix(".md").write_text(markdown(json.loads(args.table.read_text())))
+        return 0
     if args.shape is not None:
         return shaped(args)
     data_dir()  # $CW_DATA_DIR, checked
@@ -220,6 +273,7 @@ def main() -> int:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "results.json").write_text(json.dumps(report, indent=2))
+        (args.out / "results.md").write_text(markdown(report))
     return 0
 
 

@@ -36,6 +36,14 @@ the ratios to the prefill that all 32 would, in a fraction of the time (on an H2
 layers gave the same within 3% but for the capture path's, 11% apart). Peak memory is what
 each call adds to what is already allocated (the model, and the statistics the timed rounds
 keep).
+
+``python benchmarks/bench_kv.py --table OUT.md RESULT.json`` writes the Markdown table of a
+committed result (:func:`markdown`: a machine line, then a row per variant the result
+timed and the derived observer and scoring-overhead rows, a column pair per context: median
+seconds and the ratio to the sdpa prefill) and stops, running nothing::
+
+    python benchmarks/bench_kv.py --table docs/results/bench-kv-smollm2-capture.md \\
+        docs/results/bench-kv-smollm2-capture.json
 """
 
 from __future__ import annotations
@@ -48,9 +56,102 @@ from typing import Any
 
 from _timing import data_dir, interleaved_medians  # benchmarks/_timing.py, beside this script
 
+_VARIANTS = {  # a result row's "<key>_s": the table's label for it, in the table's order
+    "prefill": "sdpa prefill (the model's own forward)",
+    "capture": "capture, no observer",
+    "windowed": "`kv.prefill`, the {window} window-only methods' statistics",
+    "scored": "`kv.prefill`, every method's statistics",
+    "scored_triton": '`kv.prefill(..., kernels="triton")`, every method\'s statistics',
+    "methods": "every method's scores and kept sets at ratio 0.5, from the statistics",
+}
+
+
+def _number(value: float, digits: int) -> str:
+    """A number as the docs print it: ``digits`` decimals, a minus sign (−)."""
+    return f"{value:.{digits}f}".replace("-", "−")
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """A result's table: a machine line (what the result records of it), then per variant
+    timed in every row its median seconds and × the sdpa prefill at each context, the
+    ratios as the result stores them (``<key>_over_prefill``, else from the seconds), and
+    two derived rows: the statistics observer alone (every method's ``kv.prefill`` − the
+    capture with no observer) and the scoring overhead (every method's ``kv.prefill`` −
+    prefill + the methods' scores)."""
+    rows = result["rows"]
+    machine = [
+        str(result["machine"]) if "machine" in result else None,
+        f"torch threads: {result['threads']}" if "threads" in result else None,
+        f"torch {result['torch']}" if "torch" in result else None,
+        f"transformers {result['transformers']}" if "transformers" in result else None,
+        f"model {result['model']}" if "model" in result else None,
+        str(result["dtype"]).removeprefix("torch.") if "dtype" in result else None,
+        f"{result['layers']} layers" if "layers" in result else None,
+        f"observation window {result['window']}" if "window" in result else None,
+        f"medians of {result['repeats']} interleaved rounds" if "repeats" in result else None,
+    ]
+    header = ["case"]
+    for row in rows:
+        header += [f"C = {row['context']:,} s", f"C = {row['context']:,} × sdpa"]
+    lines = [
+        "Machine: " + ", ".join(x for x in machine if x is not None),
+        "",
+        "| " + " | ".join(header) + " |",
+        "| --- |" + " ---: |" * (len(header) - 1),
+    ]
+
+    def add(label: str, seconds: list[float], ratios: list[float]) -> None:
+        cells = [label]
+        for s, r in zip(seconds, ratios, strict=True):
+            cells += [_number(s, 4), _number(r, 2)]  # seconds as stored; ×: as the page
+        lines.append("| " + " | ".join(cells) + " |")
+
+    windows = {len(row["window_methods"]) for row in rows if "window_methods" in row}
+    for key, label in _VARIANTS.items():
+        if not all(f"{key}_s" in row for row in rows):
+            continue
+        if key == "windowed" and len(windows) == 1:
+            label = label.format(window=windows.pop())
+        elif key == "windowed":
+            label = label.replace("the {window} ", "the ")
+        add(
+            label,
+            [row[f"{key}_s"] for row in rows],
+            [
+                1.0
+                if key == "prefill"
+                else row.get(f"{key}_over_prefill", row[f"{key}_s"] / row["prefill_s"])
+                for row in rows
+            ],
+        )
+    if all(k in row for row in rows for k in ("scored_s", "capture_s", "observer_over_prefill")):
+        add(
+            "the statistics observer alone (every method's `kv.prefill` − capture)",
+            [row["scored_s"] - row["capture_s"] for row in rows],
+            [row["observer_over_prefill"] for row in rows],
+        )
+    if all(k in row for row in rows for k in ("scored_s", "methods_s", "scoring_overhead")):
+        add(
+            "scoring overhead (every method's `kv.prefill` − prefill + scores)",
+            [row["scored_s"] - row["prefill_s"] + row["methods_s"] for row in rows],
+            [row["scoring_overhead"] for row in rows],
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_table(out: Path, source: Path) -> int:
+    """``--table OUT.md RESULT.json``: the Markdown table of a committed result."""
+    out.write_text(markdown(json.loads(source.read_text())))
+    print(f"wrote {out}")
+    return 0
+
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--table", nargs=2, type=Path, metavar=("OUT.md", "RESULT.json"),
+        help="write the Markdown table of this committed result and stop",
+    )  # fmt: skip
     p.add_argument("--model", default=None)
     p.add_argument("--contexts", default="512,1024,2048")
     p.add_argument("--repeats", type=int, default=3)
@@ -71,6 +172,8 @@ def main() -> int:
         "kernels; Triton's interpreter on a CPU, which is slow: a GPU's row)",
     )
     args = p.parse_args()
+    if args.table:
+        return write_table(*args.table)
     contexts = [int(x) for x in args.contexts.split(",")]
     if args.shape is None and (args.device, args.dtype, args.layers) != ("cpu", "bfloat16", None):
         p.error("--device, --dtype and --layers go with --shape (a named model loads as usual)")

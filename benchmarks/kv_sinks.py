@@ -2,6 +2,10 @@
 
 ``python benchmarks/kv_sinks.py [--model smollm2] [--n 8] [--context 512] [--out FILE]``
 
+``python benchmarks/kv_sinks.py --table OUT.md RESULT.json ...`` writes the Markdown table of
+committed results (a column per result, one per model: :func:`markdown`) and stops; it runs
+no model.
+
 On the first ``--n`` FineWeb-Edu LM items (``cw kv-eval``'s items), after a prefill of C
 tokens, the NLL of the next 128 tokens when token 0 is
 
@@ -115,13 +119,80 @@ def item_row(model: Any, ids: Any, c: int, continuation: int = 128) -> dict[str,
     }
 
 
+#: the table's names for the models (the others are named as they are)
+MODELS = {"smollm2": "SmolLM2", "gemma3-270m": "Gemma 3"}
+
+#: the table's rows of paired NLL differences: (label, key in ``paired``)
+PAIRED_ROWS = (
+    ("evicting token 0: evicted − kept, nats [95% interval]", "evicted_minus_kept"),
+    ("zeroing token 0: zeroed − kept, nats [95% interval]", "zeroed_minus_kept"),
+    ("evicted − zeroed, nats [95% interval]", "evicted_minus_zeroed"),
+)
+
+#: the table's rows of token 0's shares of the window's mass: (label, key)
+SHARE_ROWS = (
+    ("token 0's share of the window's attention α (± s.e.)", "alpha_share_token0"),
+    ("token 0's share of the window's \\|ĉ\\| (contribution, ± s.e.)", "contribution_share_token0"),
+)
+
+
+def _signed(x: float) -> str:
+    return f"{x:+.3f}".replace("-", "−")
+
+
+def _interval(entry: dict[str, float]) -> str:
+    """Mean [95% bootstrap interval], as the page prints them (+0.922 [+0.824, +1.023])."""
+    return f"{_signed(entry['mean'])} [{_signed(entry['ci_low'])}, {_signed(entry['ci_high'])}]"
+
+
+def _p(p: float) -> str:
+    """A p-value as the page prints it: one significant digit below 0.01 (4e-12), else two
+    (0.061); 0 where the t distribution's tail underflows."""
+    return "0" if p == 0 else f"{p:.1g}" if p < 0.01 else f"{p:.2g}"
+
+
+def markdown(results: list[dict[str, Any]]) -> str:
+    """One table, a column per result (a model), a row per quantity: the paired NLL
+    differences over the items (mean [95% bootstrap interval]), the paired t-test's p of
+    evicted − zeroed, and token 0's mean shares of the window's attention and absolute
+    contribution (mean ± s.e. over items)."""
+    header = ["quantity"]
+    for result in results:
+        header.append(MODELS.get(result["model"], result["model"]))
+    lines = ["| " + " | ".join(header) + " |", "| --- |" + " ---: |" * len(results)]
+    for label, key in PAIRED_ROWS:
+        cells = [_interval(r["paired"][key]) for r in results]
+        lines.append("| " + " | ".join([label, *cells]) + " |")
+    cells = [_p(r["paired"]["evicted_minus_zeroed"]["p"]) for r in results]
+    lines.append("| " + " | ".join(["evicted − zeroed: p (paired t-test)", *cells]) + " |")
+    for label, key in SHARE_ROWS:
+        cells = [f"{r[key]:.3f} ± {r[key + '_se']:.3f}" for r in results]
+        lines.append("| " + " | ".join([label, *cells]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_table(out: Path, sources: list[Path]) -> int:
+    """``--table OUT.md RESULT.json ...``: the Markdown table of committed results."""
+    out.write_text(markdown([json.loads(source.read_text()) for source in sources]))
+    print(f"wrote {out}")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--table", nargs="+", type=Path, metavar=("OUT.md", "RESULT.json"),
+        help="write the table of these results (one per model) and stop",
+    )  # fmt: skip
     p.add_argument("--model", default=None)
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
+    if args.table:
+        if len(args.table) < 2:
+            p.error("--table takes OUT.md and at least one RESULT.json")
+        return write_table(args.table[0], args.table[1:])
     data_dir()  # $CW_DATA_DIR, checked
 
     import contribution_weights as cw

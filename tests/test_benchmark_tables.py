@@ -88,3 +88,25 @@ def test_eviction_geometry_table_is_what_its_results_give():
     )
     assert (RESULTS / "kv-eviction-geometry.md").read_text() == table
     assert "| h2o − window_attention | −0.258 [" in table  # signs as the page prints them
+
+
+def test_kv_sinks_table_is_what_its_results_give():
+    names = ("smollm2", "gemma3-270m")
+    results = [RESULTS / f"kv-sinks-{n}-fineweb-edu-512-n32.json" for n in names]
+    table = load_benchmark("kv_sinks").markdown([json.loads(p.read_text()) for p in results])
+    assert (RESULTS / "kv-sinks-fineweb-edu-512-n32.md").read_text() == table
+    # the digits and signs the page prints: SmolLM2's eviction cost, Gemma 3's tie
+    assert "| +0.922 [+0.824, +1.023] |" in table
+    assert "| −0.015 [−0.030, +0.000] |" in table
+    assert "| 4e-12 | 0.061 |" in table
+
+
+def test_bench_kv_capture_table_is_what_its_result_gives():
+    result = json.loads((RESULTS / "bench-kv-smollm2-capture.json").read_text())
+    table = load_benchmark("bench_kv").markdown(result)
+    assert (RESULTS / "bench-kv-smollm2-capture.md").read_text() == table
+    assert table.startswith("Machine: x86_64, torch threads: 1,")
+    # the ratios docs/kv-cache.md ("## Cost") prints: C = 512, then C = 2,048
+    assert "| capture, no observer | 1.7032 | 1.05 | 7.4617 | 1.03 |" in table
+    assert "window-only methods' statistics | 1.9549 | 1.20 | 8.2196 | 1.14 |" in table
+    assert "every method's statistics | 2.0953 | 1.29 | 12.6668 | 1.75 |" in table
