@@ -110,3 +110,10 @@ def test_bench_kv_capture_table_is_what_its_result_gives():
     assert "| capture, no observer | 1.7032 | 1.05 | 7.4617 | 1.03 |" in table
     assert "window-only methods' statistics | 1.9549 | 1.20 | 8.2196 | 1.14 |" in table
     assert "every method's statistics | 2.0953 | 1.29 | 12.6668 | 1.75 |" in table
+
+
+def test_faithfulness_benchmark_table_is_what_its_results_give():
+    results = RESULTS / "bench-faithfulness" / "results.json"
+    table = load_benchmark("bench_faithfulness").markdown(json.loads(results.read_text()))
+    assert results.with_suffix(".md").read_text() == table
+    assert "| 512 | 49 (7) |" in table  # rows per sequence, and per forward
