@@ -183,16 +183,18 @@ def markdown(report: dict[str, Any]) -> str:
             "| what | measured |",
             "| --- | --- |",
         ]
-        for name, label in (("uint8", "`uint8` (default)"), ("float16", "`--precision float16`")):
+        layers = full["layers_traced"]
+        for name, label in (
+            ("uint8", "`uint8` (default), 100 MiB limit"),
+            ("float16", "`--precision float16`, 100 MiB limit"),
+            ("max_bytes_32MiB", "`uint8`, `--max-bytes 32MiB`"),
+        ):
+            kept = full[name]["layers"]
+            which = "all" if len(kept) == layers else f"{len(kept)} ({int_ranges(kept)})"
             lines.append(
-                f"| file, all layers, {label} | {full[name]['mib']:.1f} MiB, written in "
-                f"{full[name]['seconds']:g} s |"
+                f"| file, {label} | {full[name]['mib']:.1f} MiB, {which} of {layers} layers, "
+                f"written in {full[name]['seconds']:g} s |"
             )
-        kept = full["max_bytes_32MiB"]
-        lines.append(
-            f"| `--max-bytes 32MiB` | {kept['mib']:.1f} MiB, {len(kept['layers'])} layers kept "
-            f"({int_ranges(kept['layers'])}), {kept['seconds']:g} s |"
-        )
         lines.append(f"| notebook view (8 MiB limit) | {full['notebook_mib']:.1f} MiB |")
         if "page" in full:
             page = full["page"]

@@ -117,3 +117,21 @@ def test_faithfulness_benchmark_table_is_what_its_results_give():
     table = load_benchmark("bench_faithfulness").markdown(json.loads(results.read_text()))
     assert results.with_suffix(".md").read_text() == table
     assert "| 512 | 49 (7) |" in table  # rows per sequence, and per forward
+
+
+def test_report_benchmark_tables_are_what_their_results_give():
+    results = RESULTS / "bench-report" / "results.json"
+    tables = load_benchmark("bench_report").markdown(json.loads(results.read_text()))
+    assert results.with_suffix(".md").read_text() == tables
+    assert "| file, `uint8` (default), 100 MiB limit |" in tables
+    assert "| | 2,048 tokens | 8,192 tokens |" in tables  # the long view's lengths, as columns
+
+
+def test_report_benchmark_says_where_no_browser_measured_the_page():
+    result = json.loads((RESULTS / "bench-report" / "results.json").read_text())
+    for row in result["long"]:
+        del row["page"]
+    del result["full"]["page"]
+    tables = load_benchmark("bench_report").markdown(result)
+    assert "| page open until interactive | not measured (no browser) |" in tables
+    assert "switch layer / measure / head" not in tables
