@@ -13,10 +13,14 @@ answer's log-probability and where the five latest candidates sit in the method'
 the share of negative scores among the candidates the signed order ranks lowest (those
 sufficiency removes first), then the paired differences method − |method|, |method| −
 recency and |method| − random (seeds pooled) of the mean ``delta`` over the rates (paired
-t-tests, Holm over the eighteen). Writes ``attribution-sign[-METHOD].csv`` (the per-item
-statistics and the |method| curve rows) under ``--out``. About 20 s an item on one CPU
-thread for SmolLM2 at 128 tokens. The data directory is read from ``CW_DATA_DIR`` (or
-``--data-dir``), as ``cw attribution-eval`` reads it.
+t-tests, Holm over the eighteen). Where the run holds the curves of ``METHOD_abs`` (added
+with ``--add-methods``: the same |method| order), they are read from it instead of edited
+again (``--recompute`` edits them anyway). Writes ``attribution-sign[-METHOD].csv`` (the
+per-item statistics and the |method| curve rows), ``.json`` (the groups and the tests) and
+``.md`` (their tables) under ``--out``; ``--table RESULT.json`` writes the ``.md`` again.
+About 20 s an item on one CPU thread for SmolLM2 at 128 tokens when it edits, about a
+second an item when it reads the run's curves. The data directory is read from
+``CW_DATA_DIR`` (or ``--data-dir``), as ``cw attribution-eval`` reads it.
 """
 
 from __future__ import annotations
@@ -27,15 +31,60 @@ import math
 from pathlib import Path
 
 
+def markdown(result: dict) -> str:
+    """The tables of a result: the item groups by the sign of their scores, then the paired
+    tests (Holm over all of them)."""
+    method, g = result["method"], result["groups"]
+    lines = [
+        f"`{result['run']}`, {result['items']} items, |{method}| curves "
+        f"{'read from the run' if result['curves'] == 'run' else 'edited again'}",
+        "",
+        f"| items | n | mean log P of the answer | five latest candidates' percentile in "
+        f"{method}'s order |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for key, label in (("negative", f"most {method} scores negative"), ("other", "the others")):
+        row = g[key]
+        lines.append(
+            f"| {label} | {row['n']} | {row['mean_logp']:.2f} | {row['last5_percentile']:.3f} |"
+        )
+    lines += [
+        "",
+        f"Spearman (share of negative scores, log P) {g['spearman']:.2f}; share of negative scores "
+        f"among the lowest 10% of the signed order {g['lowest10_negative_share']:.3f}.",
+        "",
+        "| intervention | mode | difference | mean ± s.e. (nats) | p | p (Holm) |",
+        "| --- | --- | --- | ---: | ---: | ---: |",
+    ]
+    for test in result["tests"]:
+        bold = "**" if test["p_holm"] < 0.05 else ""
+        pair = test["pair"].replace("|", "\\|")
+        lines.append(
+            f"| {test['intervention']} | {test['mode']} | {pair} | "
+            f"{bold}{test['mean']:+.2f} ± {test['se']:.2f}{bold} | {test['p']:.2g} | "
+            f"{test['p_holm']:.2g} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--run", type=Path, required=True, help="a finished attribution-eval run")
+    p.add_argument("--table", type=Path, default=None, metavar="RESULT.json",
+                   help="write the .md of this result beside it and stop")  # fmt: skip
+    p.add_argument("--recompute", action="store_true",
+                   help="edit the |method| curves even where the run holds them")  # fmt: skip
+    p.add_argument("--run", type=Path, default=None, help="a finished attribution-eval run")
     p.add_argument("--method", default="flow", help="a method whose curves the run holds")
     p.add_argument("--dataset", default="fineweb-edu", help="the run's --dataset")
     p.add_argument("--data-dir", default=None)
     p.add_argument("--limit", type=int, default=None, help="only the first N items (a check)")
     p.add_argument("--out", type=Path, default=Path("bench-out"))
     args = p.parse_args()
+    if args.table is not None:
+        args.table.with_suffix(".md").write_text(markdown(json.loads(args.table.read_text())))
+        return 0
+    if args.run is None:
+        p.error("--run is required (or --table RESULT.json)")
 
     import numpy as np
     import pandas as pd
@@ -60,9 +109,12 @@ def main() -> int:
         raise SystemExit(f"{args.run} is not a run of cw attribution-eval")
     deletion = config["task"] == "deletion"
     rows = pd.read_csv(args.run / "rows.csv")
-    added = args.run / f"added-{method}.csv"
-    if added.is_file():
-        rows = pd.concat([rows, pd.read_csv(added)], ignore_index=True)
+    for name in (method, f"{method}_abs"):
+        added = args.run / f"added-{name}.csv"
+        if added.is_file():
+            rows = pd.concat([rows, pd.read_csv(added)], ignore_index=True)
+    held = rows[(rows["kind"] == "curve") & (rows["measure"] == f"{method}_abs")]
+    read_curves = not args.recompute and not held.empty
     if method not in set(rows["measure"]):
         raise SystemExit(f"{args.run} has no curves of {method}; add it with --add-methods")
     model = cw.load_model(config["model"])
@@ -91,7 +143,7 @@ def main() -> int:
                           "lowest10_neg_share": float((signed[lowest] < 0).double().mean()),
                           "last5_rank_pct": float(np.mean(latest))})  # fmt: skip
         full = float(hits.loc[i, "value_full"])  # the run's unedited log-probability
-        for how in opts.interventions:
+        for how in () if read_curves else opts.interventions:
             sets = removal_sets(ranking_order("abs", scores, cand, i, 0), opts.rates)
             values = exp.editor.values(ids, item.answer, [s for _, _, s in sets], how)
             for (mode, rate, _), v in zip(sets, values, strict=True):
@@ -100,6 +152,10 @@ def main() -> int:
         print(f"item {i + 1}/{len(items)}", flush=True)
 
     st = pd.DataFrame(stat_rows).set_index("item")
+    if read_curves:  # the run's own |method| curves, the items rescored here
+        curve_rows = held[held["item"] < len(items)][
+            ["item", "intervention", "mode", "rate", "delta"]
+        ].to_dict("records")
     ab = pd.DataFrame(curve_rows)
     args.out.mkdir(parents=True, exist_ok=True)
     name = "attribution-sign.csv" if method == "flow" else f"attribution-sign-{method}.csv"
@@ -130,8 +186,34 @@ def main() -> int:
             for label, d in pairs:
                 se = d.std(ddof=1) / math.sqrt(d.size)
                 tests.append((how, mode, label, d.mean(), se, stats.ttest_1samp(d, 0).pvalue))
-    for (how, mode, label, m, se, _), ph in zip(tests, holm([t[-1] for t in tests]), strict=True):
+    result = {
+        "run": args.run.name,
+        "method": method,
+        "items": len(st),
+        "curves": "run" if read_curves else "edited",
+        "groups": {
+            "negative": {
+                "n": int(neg.sum()),
+                "mean_logp": float(st["value_full"][neg].mean()),
+                "last5_percentile": float(st["last5_rank_pct"][neg].mean()),
+            },
+            "other": {
+                "n": int((~neg).sum()),
+                "mean_logp": float(st["value_full"][~neg].mean()),
+                "last5_percentile": float(st["last5_rank_pct"][~neg].mean()),
+            },
+            "spearman": float(rho),
+            "lowest10_negative_share": float(st["lowest10_neg_share"].mean()),
+        },
+        "tests": [],
+    }
+    for (how, mode, label, m, se, pv), ph in zip(tests, holm([t[-1] for t in tests]), strict=True):
         print(f"{how:9s} {mode:17s} {label:22s} {m:+.2f} ± {se:.2f}  p_holm {ph:.2g}")
+        result["tests"].append({"intervention": how, "mode": mode, "pair": label, "mean": float(m),
+                                "se": float(se), "p": float(pv), "p_holm": float(ph)})  # fmt: skip
+    stem = (args.out / name).with_suffix("")
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    stem.with_suffix(".md").write_text(markdown(result))
     return 0
 
 

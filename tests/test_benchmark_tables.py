@@ -135,3 +135,10 @@ def test_report_benchmark_says_where_no_browser_measured_the_page():
     tables = load_benchmark("bench_report").markdown(result)
     assert "| page open until interactive | not measured (no browser) |" in tables
     assert "switch layer / measure / head" not in tables
+
+
+def test_attribution_sign_tables_are_what_its_result_gives():
+    result = RESULTS / "attribution-sign" / "attribution-sign.json"
+    tables = load_benchmark("attribution_sign").markdown(json.loads(result.read_text()))
+    assert result.with_suffix(".md").read_text() == tables
+    assert "| key_mask | sufficiency | flow - \\|flow\\| | **+0.54 ± 0.19** |" in tables
