@@ -33,6 +33,19 @@ Attention takes the query mean and covariance from the window's queries after Ro
 512 positions); AdaKV rounds its safeguard up (kvpress: down).
 AdaKV needs kvpress's sdpa path (its attention patch masks the evicted keys per head), so
 that method runs on a second copy of the model with sdpa attention.
+
+The table of a committed report (read from the JSON alone: neither kvpress nor torch is
+imported, so it runs in the project's .venv)::
+
+    .venv/bin/python benchmarks/kvpress_crosscheck.py --table \\
+        docs/results/kvpress-crosscheck-smollm2-fineweb-edu-512.md \\
+        docs/results/kvpress-crosscheck-smollm2-fineweb-edu-512.json
+
+``markdown(report)`` gives it: a line of what the report records (versions, C, items), then
+per method and ratio (and the uncompressed run first) the items whose kept sets are
+identical, the mean share of our kept entries kvpress keeps too, the largest score
+difference and the largest score (methods whose scores do not depend on the ratio) and the
+largest |NLL ours − NLL kvpress| over the items.
 """
 
 from __future__ import annotations
@@ -240,9 +253,68 @@ def _print_summary(report: dict[str, Any]) -> None:
     print(df.groupby(["method", "ratio"], sort=False).agg(agg).to_string(float_format="%.4g"))
 
 
+def _small(x: float) -> str:
+    """A difference as the page prints it: one significant digit below 0.01 (0.004, 9e-06),
+    else two (0.45); 0 where the two sides are equal."""
+    return "0" if x == 0 else f"{x:.1g}" if x < 0.01 else f"{x:.2g}"
+
+
+def _scale(x: float) -> str:
+    """A score's size: three significant digits, whole numbers from 100 on (10,412)."""
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The report's table: per method and ratio (the uncompressed run first), over the
+    items, how many kept sets are identical, the mean kept agreement, the largest score
+    difference and score (ratio-free methods only), and the largest |ΔNLL|."""
+    groups: dict[tuple[str, float], list[dict[str, Any]]] = {}
+    for row in report["rows"]:
+        groups.setdefault((row["method"], row["ratio"]), []).append(row)
+    lines = [
+        f"kvpress {report['kvpress']}, transformers {report['transformers']}, torch "
+        f"{report['torch']}; C = {report['context']}, {report['n_items']} items",
+        "",
+        "| method | kvpress press | ratio | items with identical kept sets "
+        "| kept agreement, mean | largest score difference | largest score "
+        "| largest NLL difference |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for (method, ratio), rows in groups.items():
+        nll = _small(max(abs(r["nll_ours"] - r["nll_kvpress"]) for r in rows))
+        if method == "none":
+            lines.append(f"| none (uncompressed) |  |  |  |  |  |  | {nll} |")
+            continue
+        agreement = [r["kept_agreement"] for r in rows]
+        identical = f"{sum(a == 1.0 for a in agreement)} / {len(rows)}"
+        mean = f"{100 * sum(agreement) / len(agreement):.1f}%"
+        if all("score_max_abs_diff" in r for r in rows):
+            diff = _small(max(r["score_max_abs_diff"] for r in rows))
+            scale = _scale(max(r["score_max_abs"] for r in rows))
+        else:
+            diff = scale = ""
+        press = f"`{SHARED_METHODS.get(method, '')}`"
+        lines.append(
+            f"| `{method}` | {press} | {ratio:g} | {identical} | {mean} | {diff} | {scale} "
+            f"| {nll} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_table(out: Path, source: Path) -> int:
+    """``--table OUT.md RESULT.json``: the Markdown table of a committed report."""
+    out.write_text(markdown(json.loads(source.read_text())))
+    print(f"wrote {out}")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="side", required=True)
+    p.add_argument(
+        "--table", nargs=2, type=Path, metavar=("OUT.md", "RESULT.json"),
+        help="write the table of a committed report and stop (no kvpress, no model)",
+    )  # fmt: skip
+    sub = p.add_subparsers(dest="side")
     a = sub.add_parser("ours", help="run in the project's environment")
     a.add_argument("--n", type=int, default=4, help="FineWeb-Edu items (default 4)")
     a.add_argument("--context", type=int, default=512, help="C, tokens prefilled (default 512)")
@@ -253,6 +325,10 @@ def main() -> int:
     b.add_argument("--ours", type=Path, required=True)
     b.add_argument("--report", type=Path, required=True)
     args = p.parse_args()
+    if args.table:
+        return write_table(*args.table)
+    if args.side is None:
+        p.error("the following arguments are required: side (ours or kvpress), or --table")
     if args.side == "ours":
         ours(args)
     else:

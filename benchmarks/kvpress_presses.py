@@ -27,6 +27,19 @@ For every registered method and ratio the report gives the largest difference of
 scores (per layer and KV head, the press's ``score`` against ``score_for_budget`` on our
 prefill's statistics), the share of our kept entries the press also keeps, and both NLLs of
 the next 128 tokens fed on the compressed cache.
+
+The table of a committed report (read from the JSON alone: neither kvpress nor torch is
+imported, so it runs in the project's .venv)::
+
+    .venv/bin/python benchmarks/kvpress_presses.py --table \\
+        docs/results/kvpress-presses-smollm2-fineweb-edu-512.md \\
+        docs/results/kvpress-presses-smollm2-fineweb-edu-512.json
+
+``markdown(report)`` gives it: a line of what the report records (versions, C, items,
+ratios), then per method (the uncompressed run first), over its items and ratios, the
+attention kernel, how many kept sets are identical, the lowest kept agreement, the largest
+score difference and score, and the largest |NLL ours − NLL press|; then a line on
+kvpress's pipeline run.
 """
 
 from __future__ import annotations
@@ -305,9 +318,75 @@ def _print_summary(report: dict[str, Any]) -> None:
     print("pipeline:", json.dumps(report["pipeline"]["answers"], ensure_ascii=False))
 
 
+def _small(x: float) -> str:
+    """A difference as the page prints it: one significant digit below 0.01 (1e-06), else
+    two; 0 where the two sides are equal."""
+    return "0" if x == 0 else f"{x:.1g}" if x < 0.01 else f"{x:.2g}"
+
+
+def _scale(x: float) -> str:
+    """A score's size: three significant digits, whole numbers from 100 on (10,412)."""
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The report's table: per method (the uncompressed run first), over its items and
+    ratios, the attention kernel, how many kept sets are identical, the lowest kept
+    agreement, the largest score difference and score, and the largest |ΔNLL|; then
+    whether our ``snapkv`` press answered as kvpress's SnapKVPress in kvpress's pipeline."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for row in report["rows"]:
+        groups.setdefault(row["method"], []).append(row)
+    ratios = ", ".join(f"{r:g}" for r in report["ratios"])
+    lines = [
+        f"kvpress {report['kvpress']}, transformers {report['transformers']}, torch "
+        f"{report['torch']}; C = {report['context']}, {report['n_items']} items, ratios "
+        f"{ratios}; {len(report['methods'])} methods",
+        "",
+        "| method | attention | kept sets identical (items × ratios) | lowest kept agreement "
+        "| largest score difference | largest score | largest NLL difference |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for method, rows in groups.items():
+        nll = _small(max(abs(r["nll_ours"] - r["nll_kvpress"]) for r in rows))
+        if method == "none":
+            lines.append(f"| none (uncompressed) |  |  |  |  |  | {nll} |")
+            continue
+        agreement = [r["kept_agreement"] for r in rows]
+        identical = f"{sum(a == 1.0 for a in agreement)} / {len(rows)}"
+        lowest = f"{100 * min(agreement):.1f}%"
+        diff = _small(max(r["score_max_abs_diff"] for r in rows))
+        scale = _scale(max(r["score_max_abs"] for r in rows))
+        attention = rows[0]["attention"]
+        lines.append(
+            f"| `{method}` | {attention} | {identical} | {lowest} | {diff} | {scale} | {nll} |"
+        )
+    pipe = report.get("pipeline")
+    if pipe is not None:
+        same = "the same" if pipe["snapkv_same_answer"] else "a different"
+        lines += [
+            "",
+            f"kvpress's pipeline (ratio {pipe['ratio']:g}, {pipe['max_new_tokens']} new tokens, "
+            f"the first item's context): our `snapkv` press gives {same} answer as kvpress's "
+            "SnapKVPress.",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def write_table(out: Path, source: Path) -> int:
+    """``--table OUT.md RESULT.json``: the Markdown table of a committed report."""
+    out.write_text(markdown(json.loads(source.read_text())))
+    print(f"wrote {out}")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="side", required=True)
+    p.add_argument(
+        "--table", nargs=2, type=Path, metavar=("OUT.md", "RESULT.json"),
+        help="write the table of a committed report and stop (no kvpress, no model)",
+    )  # fmt: skip
+    sub = p.add_subparsers(dest="side")
     a = sub.add_parser("ours", help="run in the project's environment")
     a.add_argument("--n", type=int, default=4, help="FineWeb-Edu items (default 4)")
     a.add_argument("--context", type=int, default=512, help="C, tokens prefilled (default 512)")
@@ -319,6 +398,10 @@ def main() -> int:
     b.add_argument("--ours", type=Path, required=True)
     b.add_argument("--report", type=Path, required=True)
     args = p.parse_args()
+    if args.table:
+        return write_table(*args.table)
+    if args.side is None:
+        p.error("the following arguments are required: side (ours or kvpress), or --table")
     if args.side == "ours":
         ours(args)
     else:
