@@ -10,6 +10,10 @@ one-hot row: the shares of its attention block's output ``y`` that each token ca
 its own residual included; they sum to 1): token 0's share and the position's own share.
 Writes ``attribution-first-token-{model}.json``; prints token 0's share by each method and
 the layers where its share of ``y`` is largest.
+
+``python benchmarks/attribution_first_token.py --table OUT.md RESULT.json ...`` writes the
+Markdown tables of committed results (:func:`markdown`: two small ones per model) and stops;
+it loads no model.
 """
 
 from __future__ import annotations
@@ -17,16 +21,107 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 TEXT = "The capital of France is Paris. The capital of Germany is"
+MODELS = {"smollm2": "SmolLM2", "gemma3-270m": "Gemma 3"}
+#: the methods as the table names them, in its order
+METHODS = {
+    "pure_flow": "pure flow (the final state)",
+    "flow_logprob": "flow of log P({predicted})",
+    "input_x_gradient": "input × gradient of log P({predicted})",
+}
+#: the layers the mixing-row table lists: those where token 0's share of y is largest
+TOP_LAYERS = 3
+
+
+def _signed(x: float, digits: int = 3) -> str:
+    text = f"{x:+.{digits}f}"
+    return text[1:] if float(text) == 0 else text.replace("-", "−")
+
+
+def _plain(x: float, digits: int = 2) -> str:
+    return f"{x:.{digits}f}".replace("-", "−")
+
+
+def _code(token: str) -> str:
+    """A token or text quoted as code (so that ``<bos>`` shows), pipes escaped for tables."""
+    return f'`"{token}"`'.replace("|", "\\|")
+
+
+def tables(result: dict[str, Any]) -> list[str]:
+    """One model's two tables: token 0's score and share by method, and the last
+    position's mixing row at the ``TOP_LAYERS`` layers where token 0's share is largest."""
+    name = MODELS.get(result["model"], result["model"])
+    predicted = _code(result["predicted"])
+    lines = [
+        f"{name}: {_code(result['text'])} → {predicted}, {len(result['tokens'])} tokens, "
+        f"token 0 {_code(result['tokens'][0])}.",
+        "",
+        f"| {name}, token 0 {_code(result['tokens'][0])}: attribution | its score "
+        "| its share of the absolute scores |",
+        "| --- | ---: | ---: |",
+    ]
+    for key, label in METHODS.items():
+        share = result["token0"][key]
+        lines.append(
+            f"| {label.format(predicted=predicted)} | {_signed(share['token0'])} "
+            f"| {_plain(share['token0_of_abs_sum'], 3)} |"
+        )
+    row = result["mixing_row_last_position"]
+    token0, own = row["token0"], row["own"]
+    top = sorted(sorted(range(len(token0)), key=lambda i: -token0[i])[:TOP_LAYERS])
+    rest = [i for i in range(len(token0)) if i not in top]
+    lines += [
+        "",
+        f"| {name}: layer | token 0's share of the last position's y | its own share |",
+        "| --- | ---: | ---: |",
+    ]
+    lines += [f"| {i} | {_plain(token0[i])} | {_plain(own[i])} |" for i in top]
+    if rest:
+        lines.append(
+            f"| other {len(rest)} layers: range | {_plain(min(token0[i] for i in rest))} to "
+            f"{_plain(max(token0[i] for i in rest))} | {_plain(min(own[i] for i in rest))} to "
+            f"{_plain(max(own[i] for i in rest))} |"
+        )
+    return lines
+
+
+def markdown(results: list[dict[str, Any]]) -> str:
+    """Committed results (one per model) as Markdown: per model, token 0's score by method
+    and the last position's mixing row where token 0's share of its y is largest."""
+    text = [
+        "Token 0's score for the next-token prediction at the last position, by method, and "
+        "the last position's mixing row (the shares of its attention block's output y that "
+        "each token carries, its own residual included; they sum to 1) at the "
+        f"{TOP_LAYERS} layers where token 0's share is largest.",
+    ]
+    for result in results:
+        text += ["", *tables(result)]
+    return "\n".join(text) + "\n"
+
+
+def write_table(out: Path, sources: list[Path]) -> int:
+    """``--table OUT.md RESULT.json ...``: the Markdown tables of committed results."""
+    out.write_text(markdown([json.loads(source.read_text()) for source in sources]))
+    print(f"wrote {out}")
+    return 0
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--table", nargs="+", type=Path, metavar=("OUT.md", "RESULT.json"),
+        help="write the tables of these results (one per model) and stop",
+    )  # fmt: skip
     p.add_argument("--model", default="gemma3-270m")
     p.add_argument("--text", default=TEXT)
     p.add_argument("--out", type=Path, default=Path("bench-out"))
     args = p.parse_args()
+    if args.table:
+        if len(args.table) < 2:
+            p.error("--table takes OUT.md and at least one RESULT.json")
+        return write_table(args.table[0], args.table[1:])
 
     import torch
 

@@ -22,6 +22,10 @@ it; with ``--run`` (a finished ``cw attribution-eval`` run of the same items, ch
 flow's ranks), direct's top-1 against each of the run's methods (exact McNemar tests,
 Holm-corrected). Writes a JSON and a figure. About 2 s an item on one thread for Gemma 3
 270M at 64 tokens, measured beside two other runs (indicative, not a benchmark).
+
+``python benchmarks/attribution_layers.py --table OUT.md RESULT.json ...`` writes the
+Markdown tables of committed results (:func:`markdown`: one of every run's totals, a column
+a run, then one per run of the layers whose parts are largest) and stops; it loads no model.
 """
 
 from __future__ import annotations
@@ -114,8 +118,213 @@ def against_run(run: Path, hops: list[dict[str, Any]], flow_ranks: list[int]) ->
     return out
 
 
+MODELS = {"smollm2": "SmolLM2", "gemma3-270m": "Gemma 3"}
+#: per run, the layers listed: the largest parts of each score, the smallest ρ at the source
+TOP_PARTS = 4
+LOW_RHO = 3
+
+
+def _signed(x: float, digits: int = 3) -> str:
+    text = f"{x:+.{digits}f}"
+    return text[1:] if float(text) == 0 else text.replace("-", "−")
+
+
+def _plain(x: float, digits: int = 2) -> str:
+    return f"{x:.{digits}f}".replace("-", "−")
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _se(values: list[float]) -> float:
+    """The standard error of the mean (n − 1 in the variance, as the run's ``std``)."""
+    n, mean = len(values), _mean(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n) if n > 1 else 0.0
+
+
+def _name(result: dict[str, Any]) -> str:
+    return f"{MODELS.get(result['model'], result['model'])} {result['task']}"
+
+
+def _by_layer(result: dict[str, Any], key: str) -> list[float]:
+    """``source_hops[*][key]``, the mean over items, per layer."""
+    hops = result["source_hops"]
+    return [_mean([h[key][layer] for h in hops]) for layer in range(len(hops[0][key]))]
+
+
+def _copying(result: dict[str, Any]) -> list[tuple[int, int]]:
+    """(copying layer, items), most items first."""
+    counts: dict[int, int] = {}
+    for h in result["source_hops"]:
+        counts[h["copying_layer"]] = counts.get(h["copying_layer"], 0) + 1
+    return sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+
+
+def listed_layers(result: dict[str, Any]) -> list[int]:
+    """The layers a run's table lists: its most common copying layer, the layers of the
+    ``TOP_PARTS`` largest parts (attention or feed-forward, by size) of token 0's score and
+    of the source's, and the ``LOW_RHO`` layers with the smallest mean ρ at the source."""
+    layers = (len(result["token0_by_layer"]["mean"]) - 1) // 2
+    chosen = {_copying(result)[0][0]}
+    for key in ("token0_by_layer", "source_by_layer"):
+        mean = result[key]["mean"][: 2 * layers]
+        largest = sorted(range(2 * layers), key=lambda i: -abs(mean[i]))[:TOP_PARTS]
+        chosen |= {i % layers for i in largest}
+    rho = _by_layer(result, "source_rho_by_layer")
+    chosen |= set(sorted(range(layers), key=lambda layer: rho[layer])[:LOW_RHO])
+    return sorted(chosen)
+
+
+def summary_table(results: list[dict[str, Any]]) -> list[str]:
+    """Every run's scores, split by block, and its copying layer: a column a run."""
+    rows: list[tuple[str, list[str]]] = [("items × tokens", [])]
+    for who in ("token 0", "source"):
+        rows += [
+            (f"{who}'s flow score (mean ± s.e.)", []),
+            (f"{who}'s parts: attention, feed-forward, embedding", []),
+        ]
+    rows += [
+        ("token 0's score above the source's (items)", []),
+        ("source first among all positions (items)", []),
+        ("flow's top-1 (token 0 out)", []),
+        ("direct's top-1 (token 0 out)", []),
+        ("copying layer (items)", []),
+        ("its direct term on the source, of the layer's (mean, min to max)", []),
+        ("source's state there, carried down: on its own token", []),
+        ("… on token 0", []),
+        ("… on the other tokens", []),
+    ]
+    for result in results:
+        layers = (len(result["token0_by_layer"]["mean"]) - 1) // 2
+        hops = result["source_hops"]
+        share = [h["copy_share_to_source"] for h in hops]
+        cells = [f"{result['n']} × {result['tokens']}"]
+        for key in ("token0", "source"):
+            totals, mean = result[f"{key}_total"], result[f"{key}_by_layer"]["mean"]
+            parts = (sum(mean[:layers]), sum(mean[layers : 2 * layers]), mean[2 * layers])
+            cells += [
+                f"{_signed(_mean(totals))} ± {_plain(_se(totals), 3)}",
+                ", ".join(_signed(x) for x in parts),
+            ]
+        above = zip(result["token0_total"], result["source_total"], strict=True)
+        cells += [
+            f"{sum(t > s for t, s in above)} of {result['n']}",
+            f"{sum(r == 1 for r in result['source_rank_all'])} of {result['n']}",
+            _plain(result["flow_top1"]),
+            _plain(result["direct_top1"]),
+            ", ".join(f"{layer} ({items})" for layer, items in _copying(result)),
+            f"{_plain(_mean(share))} ({_plain(min(share))} to {_plain(max(share))})",
+        ]
+        cells += [
+            _signed(_mean([h[f"source_state_on_{k}"] for h in hops]))
+            for k in ("source", "token0", "others")
+        ]
+        for row, cell in zip(rows, cells, strict=True):
+            row[1].append(cell)
+    header = ["run", *(_name(r) for r in results)]
+    lines = ["| " + " | ".join(header) + " |", "| --- |" + " ---: |" * len(results)]
+    return lines + ["| " + " | ".join([label, *cells]) + " |" for label, cells in rows]
+
+
+def layer_table(result: dict[str, Any]) -> list[str]:
+    """One run's listed layers (:func:`listed_layers`) and the rest in one row: the parts of
+    token 0's and the source's scores, and what happens at the source position."""
+    layers = (len(result["token0_by_layer"]["mean"]) - 1) // 2
+    listed = listed_layers(result)
+    rest = [layer for layer in range(layers) if layer not in listed]
+    copying = _copying(result)[0][0]
+    blocks = [(key, block) for key in ("token0", "source") for block in (0, layers)]
+    at_source = [
+        _by_layer(result, f"source_{key}_by_layer")
+        for key in ("rho", "update_ratio", "attention_to_token0", "token0_share")
+    ]
+    hops = result["source_hops"]
+
+    def kept(layer: int) -> str:
+        """The source token's own share at the layer's output → input (items whose copying
+        layer is above it)."""
+        shares = [h["source_self_share_by_layer"] for h in hops if h["copying_layer"] > layer]
+        if layer >= copying or not shares:
+            return "—"
+        out, into = _mean([s[layer + 1] for s in shares]), _mean([s[layer] for s in shares])
+        return f"{_plain(out, 3)} → {_plain(into, 3)}"
+
+    lines = []
+    for layer in listed:
+        cells = [f"{layer} (copying)" if layer == copying else str(layer)]
+        for key, block in blocks:
+            part = result[f"{key}_by_layer"]
+            mean, se = part["mean"][block + layer], part["se"][block + layer]
+            cells.append(f"{_signed(mean)} ± {_plain(se, 3)}")
+        cells += [_plain(values[layer]) for values in at_source]
+        cells.append(kept(layer))
+        lines.append(cells)
+    if rest:
+        cells = [f"other {len(rest)} layers: sum; range"]
+        for key, block in blocks:
+            cells.append(_signed(sum(result[f"{key}_by_layer"]["mean"][block + i] for i in rest)))
+        for values in at_source:
+            low, high = min(values[i] for i in rest), max(values[i] for i in rest)
+            cells.append(f"{_plain(low)} to {_plain(high)}")
+        cells.append("")
+        lines.append(cells)
+    header = [
+        f"{_name(result)}: layer",
+        "token 0: attention",
+        "token 0: feed-forward",
+        "source: attention",
+        "source: feed-forward",
+        "ρ at source",
+        "‖u‖/‖x‖ at source",
+        "source's attention to token 0",
+        "token 0's share of source's y",
+        "source's own share, output → input",
+    ]
+    head = ["| " + " | ".join(header) + " |", "| --- |" + " ---: |" * (len(header) - 1)]
+    return head + ["| " + " | ".join(cells) + " |" for cells in lines]
+
+
+def markdown(results: list[dict[str, Any]]) -> str:
+    """Committed runs (one per model and task) as Markdown: a table of every run's scores
+    and copying layer, then a table per run of its listed layers (:func:`listed_layers`)."""
+    text = [
+        "Flow scores of the answer's log-probability on token 0 and on the source, split by "
+        "the block their terms come from (the parts sum to the score), and the copying layer: "
+        "the layer whose attention update sends the largest direct term to the source "
+        "position, with the source position's state at its input carried down to the tokens.",
+        "",
+        *summary_table(results),
+        "",
+        "Per run, per layer: the parts of token 0's and the source's scores from the layer's "
+        "attention and feed-forward updates (mean ± s.e. over items) and, at the source "
+        "position (means over items), the residual share ρ, the attention update's size "
+        "against the residual it joins, the heads' mean attention to token 0, the share of "
+        "the layer's y it alone hands to token 0, and the source token's own share of the "
+        "position's state at the layer's output and input, carried down from the copying "
+        "layer (items whose copying layer is above it; layer 0's input is the embeddings). "
+        f"Listed: the most common copying layer, the layers of the {TOP_PARTS} largest parts "
+        f"of each score and the {LOW_RHO} with the smallest ρ; the last row sums the other "
+        "layers' parts and gives the range of their values.",
+    ]
+    for result in results:
+        text += ["", *layer_table(result)]
+    return "\n".join(text) + "\n"
+
+
+def write_table(out: Path, sources: list[Path]) -> int:
+    """``--table OUT.md RESULT.json ...``: the Markdown tables of committed results."""
+    out.write_text(markdown([json.loads(source.read_text()) for source in sources]))
+    print(f"wrote {out}")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--table", nargs="+", type=Path, metavar=("OUT.md", "RESULT.json"),
+        help="write the tables of these results (one per model and task) and stop",
+    )  # fmt: skip
     p.add_argument("--model", default=None)
     p.add_argument("--task", default="induction")
     p.add_argument("--n", type=int, default=16)
@@ -128,6 +337,10 @@ def main() -> int:
         "with its methods' (exact McNemar, Holm)",
     )  # fmt: skip
     args = p.parse_args()
+    if args.table:
+        if len(args.table) < 2:
+            p.error("--table takes OUT.md and at least one RESULT.json")
+        return write_table(args.table[0], args.table[1:])
 
     import matplotlib
 

@@ -31,6 +31,16 @@ each side of it kept, and the share of (layer, head) pairs that keep every token
 per twentieth of the prefill the share kept (``kv-needles-TASK-kept.csv``, and with
 ``--kept-figure`` the profile). About 80 s an item and setting for SmolLM2 at 4,096 tokens
 on one CPU thread beside other jobs.
+
+``--table OUT.md FOLDER ...`` writes the Markdown tables of committed ``--out`` folders (one
+per model, e.g. ``docs/results/kv-needles-smollm2-4096``) and stops, before any model or data
+loads: per task, setting and ratio the recall of the late and of the early needles
+(uncompressed, the window, contribution, the best other score, and how many methods the
+window beats and loses to), the uncompressed recall by depth quarter, and where ``--kept``
+ran what each method keeps of the asked needles::
+
+    python benchmarks/kv_needles.py --table docs/results/kv-needles-4096.md \
+        docs/results/kv-needles-smollm2-4096 docs/results/kv-needles-gemma3-270m-4096
 """
 
 from __future__ import annotations
@@ -119,9 +129,192 @@ def regenerate(generator: Any, rows: Any, task: str, config: dict[str, Any]
     return items, regenerated
 
 
+#: the RULER needle tasks, in the order the tables list them
+TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery")
+#: model names of the result folders (``kv-needles-MODEL-CONTEXT``)
+MODELS = {"smollm2": "SmolLM2", "gemma3-270m": "Gemma 3 270M"}
+#: left out of "best other": no score
+UNSCORED = ("random",)
+SETTINGS = {"query_agnostic": "query-agnostic", "query_aware": "query-aware"}
+
+
+def _csv(path: Path) -> list[dict[str, str]]:
+    import csv
+
+    with path.open(newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def _share(x: float) -> str:
+    """Two decimals, halves rounded up as written (0.475 to 0.48, 0.385 to 0.39)."""
+    from decimal import ROUND_HALF_UP, Decimal
+
+    return str(Decimal(repr(x)).quantize(Decimal("0.01"), rounding=ROUND_HALF_UP))
+
+
+def _setting(setting: str, ratio: str) -> str:
+    return f"{SETTINGS.get(setting, setting)}, {float(ratio):g}"
+
+
+def _tasks(folder: Path) -> list[str]:
+    """The tasks with a ``kv-needles-TASK-early-late.csv`` in ``folder``, RULER's order first."""
+    found = [p.name[len("kv-needles-") : -len("-early-late.csv")]
+             for p in folder.glob("kv-needles-*-early-late.csv")]  # fmt: skip
+    return sorted(found, key=lambda t: (TASKS.index(t) if t in TASKS else len(TASKS), t))
+
+
+def _model(folder: Path) -> str:
+    match = re.fullmatch(r"kv-needles-(.+)-(\d+)", folder.name)
+    if match is None:
+        return folder.name
+    return f"{MODELS.get(match[1], match[1])}, {int(match[2]):,} tokens"
+
+
+def _part_table(folder: Path, part: str) -> list[str]:
+    """One row per (task, setting, ratio): the recall of the ``part`` needles, uncompressed,
+    by the window, by contribution and by the best other score; how many of the other methods
+    the window beats and loses to item by item (``-early-late.csv``)."""
+    others: set[str] = set()
+    body = []
+    for task in _tasks(folder):
+        groups: dict[tuple[str, str], list[dict[str, str]]] = {}
+        for row in _csv(folder / f"kv-needles-{task}-early-late.csv"):
+            if row["part"] == part:
+                groups.setdefault((row["setting"], row["ratio"]), []).append(row)
+        for (setting, ratio), rows in groups.items():
+            others |= {r["method"] for r in rows}
+            recall = {r["method"]: float(r["recall"]) for r in rows}
+            scored = {m: v for m, v in recall.items() if m not in UNSCORED and m != "contribution"}
+            best = max(scored.values())
+            names = ", ".join(f"`{m}`" for m, v in scored.items() if v == best)
+            better = sum(r["verdict"] == "window better" for r in rows)
+            worse = sum(r["verdict"] == "method better" for r in rows)
+            contribution = recall.get("contribution")
+            body.append(
+                f"| `{task}` | {_setting(setting, ratio)} | {rows[0]['n']} "
+                f"| {_share(float(rows[0]['recall_uncompressed']))} "
+                f"| {_share(float(rows[0]['recall_window']))} "
+                f"| {'–' if contribution is None else _share(contribution)} "
+                f"| {_share(best)} ({names}) | {better} / {worse} |"
+            )
+    header = (f"| task | setting, ratio | items | uncompressed | `{WINDOW}` | `contribution` "
+              f"| best other score | window better / worse (of {len(others)}) |")  # fmt: skip
+    return [header, "| --- | --- |" + " ---: |" * 6, *body]
+
+
+def _depth_table(folder: Path) -> list[str]:
+    """The uncompressed model's recall by needle depth quarter, per task (``kv-needles-TASK.csv``;
+    one row where the settings agree)."""
+    body: list[str] = []
+    bands: list[str] = []
+    for task in _tasks(folder):
+        rows = [r for r in _csv(folder / f"kv-needles-{task}.csv") if float(r["ratio"]) == 0]
+        bands = [c for c in rows[0] if c not in ("setting", "ratio", "method")]
+        cells = {r["setting"]: " | ".join(_share(float(r[b])) for b in bands) for r in rows}
+        if len(set(cells.values())) == 1:
+            cells = {" and ".join(SETTINGS.get(s, s) for s in cells): next(iter(cells.values()))}
+        body += [f"| `{task}` | {SETTINGS.get(s, s)} | {c} |" for s, c in cells.items()]
+    labels = []
+    for band in bands:  # pandas' interval labels, "(-0.001, 0.25]"
+        low, high = (max(float(x), 0.0) for x in band.strip("([]) ").split(","))
+        labels.append(f"{low:g}-{high:g}")
+    return ["| task | setting | " + " | ".join(labels) + " |",
+            "| --- | --- |" + " ---: |" * len(labels), *body]  # fmt: skip
+
+
+def _kept_table(path: Path) -> list[str]:
+    """Per setting, per method and ratio, of the late and of the early asked needles: the share
+    of their tokens kept, of the tokens around them, and of (layer, KV head) pairs keeping the
+    whole needle (``kv-needles-TASK-kept.csv``), means over the needles."""
+    sums: dict[tuple[str, str, str, str], list[float]] = {}
+    items: set[str] = set()
+    for row in _csv(path):
+        if row["kind"] != "needle" or row["asked"] != "True":
+            continue
+        items.add(row["item"])
+        part = "late" if float(row["depth"]) >= float(row["ratio"]) else "early"
+        key = (row["setting"], row["method"], row["ratio"], part)
+        total = sums.setdefault(key, [0.0, 0.0, 0.0, 0.0])
+        for i, column in enumerate(("kept", "around", "whole")):
+            total[i] += float(row[column])
+        total[3] += 1
+    ratios = sorted({k[2] for k in sums}, key=float)
+    header = ["setting", "method"] + [f"{p} needles, {float(r):g}"
+                                      for p in ("late", "early") for r in ratios]  # fmt: skip
+    lines = [f"{len(items)} items; cells: kept / around / whole.", "",
+             "| " + " | ".join(header) + " |",
+             "| --- | --- |" + " ---: |" * (len(header) - 2)]  # fmt: skip
+    for setting, method in dict.fromkeys((k[0], k[1]) for k in sums):
+        cells = []
+        for part in ("late", "early"):
+            for ratio in ratios:
+                summed = sums.get((setting, method, ratio, part))
+                cells.append(
+                    "–" if summed is None
+                    else " / ".join(_share(x / summed[3]) for x in summed[:3])
+                )  # fmt: skip
+        lines.append(
+            f"| {SETTINGS.get(setting, setting)} | `{method}` | " + " | ".join(cells) + " |"
+        )
+    return lines
+
+
+def markdown(folders: list[Path]) -> str:
+    """The Markdown tables of committed ``--out`` folders (one per model): per task, setting
+    and ratio the recall of the late and of the early needles, uncompressed, by the window,
+    by contribution and by the best other score, and the window's decided comparisons; the
+    uncompressed recall by depth quarter; and, where ``--kept`` ran, what each method keeps."""
+    lines = [
+        "# kv-needles: which needles a compressed cache lets the model name",
+        "",
+        "Recall: the share of the asked needles named in the output, mean over the items that "
+        "have one (items); a needle is *late* at ratio ρ when its depth in the haystack is at "
+        f"least ρ, *early* otherwise. `{WINDOW}`: the recent window, against which every other "
+        "method is tested item by item (sign test, Holm over the other methods per setting, "
+        "ratio and part): window better / worse counts the methods it beats / loses to. Best "
+        f"other score: the highest recall of the others but `contribution` and "
+        f"{', '.join(f'`{m}`' for m in UNSCORED)}.",
+    ]
+    for folder in folders:
+        model = _model(folder)
+        for part in ("late", "early"):
+            lines += [
+                "",
+                f"## {model}: recall of the {part} needles",
+                "",
+                *_part_table(folder, part),
+            ]
+        lines += ["", f"## {model}: uncompressed recall by needle depth", "", *_depth_table(folder)]
+        for task in _tasks(folder):
+            kept = folder / f"kv-needles-{task}-kept.csv"
+            if kept.exists():
+                lines += [
+                    "",
+                    f"## {model}, `{task}`: what each method keeps of the asked needles",
+                    "",
+                    "kept: the share of a needle's tokens kept (mean over the compressed layers "
+                    f"and KV heads); around: of the {AROUND} tokens each side of it; whole: the "
+                    "share of (layer, KV head) pairs that keep every token of it.",
+                    "",
+                    *_kept_table(kept),
+                ]
+    return "\n".join(lines) + "\n"
+
+
+def write_table(out: Path, folders: list[Path]) -> int:
+    """``--table OUT.md FOLDER ...``: the Markdown tables of committed ``--out`` folders."""
+    out.write_text(markdown(folders))
+    print(f"wrote {out}")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--run", type=Path, required=True, help="a kv-eval --task ruler folder")
+    p.add_argument(
+        "--table", nargs="+", type=Path, metavar=("OUT.md", "FOLDER"),
+        help="write the Markdown tables of these --out folders (one per model) and stop",
+    )  # fmt: skip
+    p.add_argument("--run", type=Path, default=None, help="a kv-eval --task ruler folder")
     p.add_argument("--task", default="niah_multivalue", help="one of the run's ruler tasks")
     p.add_argument("--data-dir", default=None)
     p.add_argument("--out", type=Path, default=Path("bench-out"))
@@ -134,6 +327,12 @@ def main() -> int:
     p.add_argument("--kept-figure", type=Path, default=None,
                    help="write the figure of what each method keeps (with --kept)")  # fmt: skip
     args = p.parse_args()
+    if args.table:
+        if len(args.table) < 2:
+            p.error("--table takes OUT.md and at least one FOLDER")
+        return write_table(args.table[0], args.table[1:])
+    if args.run is None:
+        p.error("--run is required (or --table OUT.md FOLDER ...)")
 
     import numpy as np
     import pandas as pd
