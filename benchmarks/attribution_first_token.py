@@ -23,6 +23,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from _tables import plain as _plain  # benchmarks/_tables.py, beside this script
+from _tables import signed as _signed
+
 TEXT = "The capital of France is Paris. The capital of Germany is"
 MODELS = {"smollm2": "SmolLM2", "gemma3-270m": "Gemma 3"}
 #: the methods as the table names them, in its order
@@ -33,15 +36,6 @@ METHODS = {
 }
 #: the layers the mixing-row table lists: those where token 0's share of y is largest
 TOP_LAYERS = 3
-
-
-def _signed(x: float, digits: int = 3) -> str:
-    text = f"{x:+.{digits}f}"
-    return text[1:] if float(text) == 0 else text.replace("-", "−")
-
-
-def _plain(x: float, digits: int = 2) -> str:
-    return f"{x:.{digits}f}".replace("-", "−")
 
 
 def _code(token: str) -> str:

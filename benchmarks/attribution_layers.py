@@ -36,6 +36,9 @@ import math
 from pathlib import Path
 from typing import Any
 
+from _tables import plain as _plain  # benchmarks/_tables.py, beside this script
+from _tables import signed as _signed
+
 
 def source_hops(model: Any, fwd: Any, targets: list[Any], item: Any) -> dict[str, Any]:
     """The copying layer, its direct term's share on the source, the source position's
@@ -122,15 +125,6 @@ MODELS = {"smollm2": "SmolLM2", "gemma3-270m": "Gemma 3"}
 #: per run, the layers listed: the largest parts of each score, the smallest ρ at the source
 TOP_PARTS = 4
 LOW_RHO = 3
-
-
-def _signed(x: float, digits: int = 3) -> str:
-    text = f"{x:+.{digits}f}"
-    return text[1:] if float(text) == 0 else text.replace("-", "−")
-
-
-def _plain(x: float, digits: int = 2) -> str:
-    return f"{x:.{digits}f}".replace("-", "−")
 
 
 def _mean(values: list[float]) -> float:
