@@ -766,6 +766,13 @@ LABELS = {
     "future_attention": "future α",
 }
 MODELS = {"smollm2": "SmolLM2", "gemma3-270m": "Gemma 3"}
+#: the oracles' quantities, as the ranking table names them
+ORACLE_OF = {
+    "attention": "α",
+    "alpha_r": "α·r",
+    "contribution": "|ĉ|",
+    "alpha_distance": "α·distance",
+}
 
 
 def _label(pair: str) -> str:
@@ -793,6 +800,34 @@ def markdown(results: list[dict[str, Any]]) -> str:
             entry = result["summary"]["paired"][pair]
             cells += [_interval(entry["spearman_head"]), _interval(entry["overlap_0.5"])]
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n\n" + rankings(results)
+
+
+def rankings(results: list[dict[str, Any]]) -> str:
+    """How well each predictor ranks the future effect (Spearman ρ per head, mean over
+    items and its 95% interval), the oracles on the future queries below the prefill
+    predictors; then how single-token evictions' truth tracks the NLL (the NLL check)."""
+    names = [MODELS.get(r["model"], r["model"]) for r in results]
+    lines = ["| predictor (ρ per head with the future effect) | " + " | ".join(names) + " |"]
+    lines.append("| --- |" + " ---: |" * len(results))
+    rho = [r["summary"]["spearman_head"] for r in results]
+    for name in rho[0]:
+        cells = [_interval(r[name]["item_mean"]) for r in rho]
+        base = name.removeprefix("future_")
+        label = LABELS.get(base, base) if base == name else f"oracle: future {ORACLE_OF[base]}"
+        label = label.replace("|", "\\|")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    checks = [r["summary"]["nll_check"] for r in results]
+    lines.append(
+        "| single-token evictions: ρ(truth, \\|ΔNLL\\|) | "
+        + " | ".join(_interval(c["rho_truth_abs_dnll"]) for c in checks)
+        + " |"
+    )
+    lines.append(
+        "| single-token evictions: token 0's mean ΔNLL (nats) | "
+        + " | ".join(f"{c['mean_dnll_token0']:+.3f}".replace("-", "−") for c in checks)
+        + " |"
+    )
     return "\n".join(lines) + "\n"
 
 
