@@ -39,9 +39,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .paired import OTHER_BETTER, REFERENCE_BETTER, TIE
+
 SPEC = "contrasts.json"
-_SIGN = {"reference better": "+", "other better": "−", "tie": "="}
-_TURNED = {"reference better": "other better", "other better": "reference better", "tie": "tie"}
+_SIGN = {REFERENCE_BETTER: "+", OTHER_BETTER: "−", TIE: "="}
+_TURNED = {REFERENCE_BETTER: OTHER_BETTER, OTHER_BETTER: REFERENCE_BETTER, TIE: TIE}
 
 
 class ContrastError(ValueError):
@@ -97,7 +99,7 @@ def _cell(kind: str, found: dict[str, Any], digits: int) -> str:
         text = f"{mean} [{found['low']:+.{digits}f}, {found['high']:+.{digits}f}]"
     else:
         raise ContrastError(f"unknown cell {kind!r}: use se, interval or signs")
-    return f"**{text}**" if found["verdict"] != "tie" else text
+    return f"**{text}**" if found["verdict"] != TIE else text
 
 
 def table(spec: dict[str, Any], root: Path) -> str:
