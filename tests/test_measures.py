@@ -22,7 +22,7 @@ from contribution_weights.measures import (
     split_output_weight,
     token_scores,
 )
-from contribution_weights.measures.layer import distance
+from contribution_weights.measures.distance import distance
 
 F64 = torch.float64
 NAMES = ["attention", "contribution", "intra", "relative_norm", "cosine", "vw", "vw_on"]

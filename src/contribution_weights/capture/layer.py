@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Protocol
 
 import torch
 from torch import Tensor, nn
 
 from ..families import FamilySpec
-from ..measures.layer import LayerTensors
+from ..measures.layer import LayerTensors, value_norms
 
 DEFAULT_BLOCK_BYTES = 32 * 1024**2
 
@@ -40,6 +41,24 @@ def rows_per_block(rows_of_keys: int, num_keys: int, block_bytes: int) -> int:
 
 
 @dataclass
+class Logits:
+    """A block's scores ``s`` ``(B, H, I, K)`` (the dtype's minimum where masked) and each
+    row's log-sum-exp ``lse`` ``(B, H, I)``: ``ln α_ij = s_ij − lse_i`` wherever α_ij > 0."""
+
+    scores: Tensor
+    lse: Tensor
+
+    @classmethod
+    def of(cls, scores: Tensor, probs: Tensor) -> Logits:
+        """From the scores and their softmax: ``lse = s_m − ln α_m`` at each row's largest
+        score, whose probability is the largest (at least 1/K, so its log is well
+        conditioned). A score of ``-inf`` makes a NaN of ``0 · s``: readers check for it."""
+        best = probs.amax(-1)  # two max passes: faster than one that also finds where
+        lse = scores.amax(-1) - torch.log(best.clamp_min(torch.finfo(best.dtype).tiny))
+        return cls(scores, lse)
+
+
+@dataclass
 class LayerCall:
     """What the model handed the attention function for one layer."""
 
@@ -62,6 +81,8 @@ class LayerCall:
     q_len: int = field(init=False)
     num_kv_heads: int = field(init=False)
     k_len: int = field(init=False)
+    # ‖ṽ_j^(h)‖ of every key by dtype, made once for the layer's blocks (:meth:`value_norms`)
+    _value_norms: dict[torch.dtype, Tensor] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.batch, self.num_heads, self.q_len = self.query.shape[:3]
@@ -90,6 +111,12 @@ class LayerCall:
         b, g, t, d = x.shape
         return x[:, :, None].expand(b, g, rep, t, d).reshape(b, g * rep, t, d)
 
+    @cached_property
+    def head_keys(self) -> Tensor:
+        """``(B, H, Tk, d_h)``: the keys per query head, expanded once for the layer's
+        blocks (each block reads the range of keys it sees)."""
+        return self._expanded(self.key)
+
     def key_span(self, rows: slice) -> slice:
         """The keys any query of ``rows`` may attend to, as one range ``[k0, k1)``.
 
@@ -113,14 +140,24 @@ class LayerCall:
         ``keys``: a range of keys (all when None); outside :meth:`key_span` every
         probability is 0, so the range's probabilities equal those of the whole row.
         """
+        return self.probs_and_logits(rows, batch, keys)[0]
+
+    def probs_and_logits(
+        self, rows: slice, batch: Tensor | None = None, keys: slice | None = None
+    ) -> tuple[Tensor, Logits | None]:
+        """:meth:`probs`, and the scores they are the softmax of with each row's
+        log-sum-exp (:class:`Logits`, so that ``ln α = s − lse`` needs no log pass) where
+        the probabilities are those scores' float32 softmax (else None)."""
         if self.layer_probs is not None:  # computed once for the layer (intervention path)
             whole = self.layer_probs if keys is None else self.layer_probs[..., keys]
-            return _take_rows(whole[:, :, rows], batch)
+            return _take_rows(whole[:, :, rows], batch), None
         keys = slice(0, self.k_len) if keys is None else keys
-        query, key = self.query[:, :, rows], self.key[:, :, keys]
+        query = self.query[:, :, rows]
         if batch is not None:
-            query, key = query.index_select(0, batch), key.index_select(0, batch)
-        keys_ = self._expanded(key)
+            query = query.index_select(0, batch)
+            keys_ = self._expanded(self.key[:, :, keys].index_select(0, batch))
+        else:
+            keys_ = self.head_keys[:, :, keys]
         mask = self.attention_mask
         if mask is not None:
             mask = mask[:, :, rows, keys]
@@ -139,8 +176,12 @@ class LayerCall:
                 else:
                     scores = scores + mask
         if self.spec.softmax_float32:
-            return nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(self.query.dtype)
-        return nn.functional.softmax(scores, dim=-1).type(self.value.dtype)
+            probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(self.query.dtype)
+        else:
+            probs = nn.functional.softmax(scores, dim=-1).type(self.value.dtype)
+        if scores.dtype != torch.float32 or probs.dtype != torch.float32:
+            return probs, None
+        return probs, Logits.of(scores, probs)
 
     def _causal_block(self, rows: slice, keys: slice, dtype: torch.dtype) -> Tensor:
         """``(1, 1, I, K)`` additive causal mask of a block (0 where key ≤ query, else the
@@ -199,6 +240,7 @@ class LayerCall:
         batch: Tensor | None = None,
         keys: slice | None = None,
         states: Tensor | None = None,
+        logits: Logits | None = None,
     ) -> LayerTensors:
         """The pure-maths view of this layer for a block of queries, in ``dtype``.
 
@@ -207,6 +249,8 @@ class LayerCall:
         just those; the measures come out ``(…, K)`` for keys ``keys.start …``).
         ``states``: ``α @ v`` of ``probs`` ``(B, H, I, d_h)`` where the caller has it (the
         attention function computed it for the model's output), used when it is in ``dtype``.
+        ``logits``: the scores ``probs`` are the softmax of (:class:`Logits`), kept on the
+        tensors when they are in ``dtype``.
 
         Observers do not call this: :meth:`LayerBlock.tensors` does, once per block and
         dtype, for all of them.
@@ -216,7 +260,11 @@ class LayerCall:
             states = None
         values = self.value if keys is None else self.value[:, :, keys]
         values = values if batch is None else values.index_select(0, batch)
-        return LayerTensors(
+        norms = None
+        if batch is None:
+            norms = self.value_norms(dtype)
+            norms = norms if keys is None else norms[..., keys]
+        lt = LayerTensors(
             probs.to(dtype),
             values.to(dtype),
             w_o,
@@ -224,7 +272,19 @@ class LayerCall:
             self.valid(rows, batch, keys),
             gram=gram,
             head_states=states,
+            value_norm=norms,
         )
+        if logits is not None and logits.scores.dtype == dtype and batch is None:
+            lt.logits = logits
+        return lt
+
+    def value_norms(self, dtype: torch.dtype) -> Tensor:
+        """``(B, H, T)``: ‖ṽ_j^(h)‖ of every key in ``dtype``, computed once for the layer
+        (a key-side vector that every block of queries reads a range of)."""
+        if dtype not in self._value_norms:
+            gram = self.output_blocks(dtype)[2]
+            self._value_norms[dtype] = value_norms(self.value.to(dtype), gram)
+        return self._value_norms[dtype]
 
 
 def key_range(valid: Tensor, layer: int) -> tuple[Tensor, Tensor]:
@@ -281,6 +341,7 @@ class LayerBlock:
     keys: slice | None = None  # the keys ``probs`` covers, [k0, k1) (None: all)
     batch: Tensor | None = None  # the batch rows ``probs`` holds (None: all)
     states: Tensor | None = None  # α @ v of ``probs`` (B, H, I, d_h), where computed already
+    logits: Logits | None = None  # the scores ``probs`` are the softmax of, where kept
     _tensors: dict[tuple[torch.dtype, int, int], LayerTensors] | None = field(
         default_factory=dict, init=False, repr=False
     )
@@ -319,12 +380,13 @@ class LayerBlock:
         key = (dtype, rows.start, rows.stop)
         lt = self._tensors.get(key)
         if lt is None:
-            probs, states = self.probs, self.states
+            probs, states, logits = self.probs, self.states, self.logits
             if rows != self.rows:
                 start = rows.start - self.rows.start
                 probs, states = probs[:, :, start : start + rows.stop - rows.start], None
+                logits = None
             lt = self.call.layer_tensors(
-                rows, probs, dtype, batch=self.batch, keys=self.keys, states=states
+                rows, probs, dtype, batch=self.batch, keys=self.keys, states=states, logits=logits
             )
             self._tensors[key] = lt
         return lt
@@ -333,3 +395,4 @@ class LayerBlock:
         """The block is over: drop the cached tensors (capture calls this)."""
         self._tensors = None
         self.states = None
+        self.logits = None

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from ..families import FamilySpec
 from ..measures.layer import split_output_weight
+from .allocator import keep_freed_blocks
 from .edits import Intervention, _edit_of, _renormalised, _visible_mean
 from .layer import DEFAULT_BLOCK_BYTES, LayerBlock, LayerCall, rows_per_block
 
@@ -83,6 +84,8 @@ class CaptureSession:
         if wanted is not None:
             return self._observed_rows(call, wanted, watching)
         blocks = call.row_blocks()
+        if call.query.device.type == "cpu" and len(blocks) > 1:
+            keep_freed_blocks()  # blocks of megabytes, freed and made again: reuse them
         if self.intervention is not None and len(blocks) == 1:
             # the intervention ranks tokens on this layer's probabilities: compute them once
             # and let it read them (LayerCall.probs) instead of recomputing them
@@ -107,10 +110,11 @@ class CaptureSession:
         outputs = []
         for rows in blocks:
             keys = call.key_span(rows) if narrow else None
+            logits = None
             if call.layer_probs is not None:
                 probs = call.layer_probs
             else:
-                probs = call.probs(rows, keys=keys)
+                probs, logits = call.probs_and_logits(rows, keys=keys)
             if edit is not None and edit.masked is not None:
                 probs = _renormalised(probs, edit.masked[:, :, None, :])
             block = torch.matmul(probs, kept_values if keys is None else kept_values[:, :, keys])
@@ -123,7 +127,9 @@ class CaptureSession:
                     probs = probs * scale[:, :, None, :].to(probs.dtype)
                 # the block's α·v is the layer's own unless values were replaced
                 states = block if replaced is None else None
-                shown = LayerBlock(call, rows, probs, keys=keys, states=states)
+                if scale is not None or edit is not None:
+                    logits = None  # the probabilities shown are no longer their softmax
+                shown = LayerBlock(call, rows, probs, keys=keys, states=states, logits=logits)
                 try:
                     for observer in watching:
                         observer.observe(shown)

@@ -81,23 +81,43 @@ def chunk_maxima(a: Float[Tensor, "*lead k"], chunk: int = CHUNK) -> Tensor:
 
 
 def block_sums(
-    w: Float[Tensor, "h i k"], *, signed: bool = True, maxima: bool = True, col_abs: bool = True
+    w: Float[Tensor, "h i k"],
+    *,
+    signed: bool = True,
+    maxima: bool = True,
+    col_abs: bool = True,
+    a: Tensor | None = None,
+    log_terms: tuple[Tensor, Tensor, Tensor | None] | None = None,
 ) -> BlockSums:
     """The reference: each sum one torch call. ``signed=False`` promises ``w ≥ 0`` (then
     ``a`` is ``w`` itself and ``col_abs`` is ``col``); ``maxima=False`` skips the chunk
     maxima, ``col_abs=False`` the column sums of ``a`` (only ``|·|`` of a measure needs
-    them: ihc of the contribution)."""
-    from .aggregates import sum_a_log_a
+    them: ihc of the contribution). ``a``: ``|w|`` where the caller has it already.
+    ``log_terms``: ``(s, lse, c)`` with ``ln w_ij = s_ij − lse_i + c_j`` wherever w > 0
+    (``(H, I, K)``, ``(H, I)``, ``(H, K)`` or None; a measure's
+    :attr:`~.registry.Measure.log_terms`): the entropies' sums then take no logarithm."""
+    from .aggregates import sums_and_a_log_a
 
-    a = w.abs() if signed else w
-    rest = a[..., 1:]
-    col, rest_total, first = w.sum(-2), rest.sum(-1), a[..., 0]
+    if a is None:
+        a = w.abs() if signed else w
+    logits = None if log_terms is None else (log_terms[0][..., 1:], log_terms[1])
+    rest_total, rest_log = sums_and_a_log_a(a[..., 1:], logits=logits)
+    if logits is not None and not bool(torch.isfinite(rest_log).all()):
+        log_terms = None  # a score of -inf (0 · -inf): this block takes the log pass
+        rest_total, rest_log = sums_and_a_log_a(a[..., 1:])
+    assert rest_total is not None
+    key_log = None if log_terms is None else log_terms[2]
+    if key_log is not None:  # + Σ_{j ≥ 1} w_ij c_j: c_0 set to 0, one product per head
+        c = key_log.to(a.dtype).clone()
+        c[:, 0] = 0
+        rest_log = rest_log + torch.bmm(c[:, None, :], a.transpose(1, 2))[:, 0]
+    col, first = w.sum(-2), a[..., 0]
     return BlockSums(
         col=col,
         col_abs=(a.sum(-2) if signed else col) if col_abs else None,
         row=w.sum(-1) if signed else rest_total + first,
         rest_total=rest_total,
-        rest_log=sum_a_log_a(rest),
+        rest_log=rest_log,
         first=first,
         maxima=chunk_maxima(a) if maxima else None,
         first_value=w[..., 0],

@@ -13,8 +13,10 @@ Nothing here builds the ``(H, I, T, d)`` tensor of all weighted projected values
 * ``‖ṽ_j^(h)‖² = v_jᵀ (W_O^(h)ᵀ W_O^(h)) v_j`` uses a ``d_h × d_h`` Gram matrix;
 * ``⟨o_i^(h), ṽ_j^(h)⟩ = ⟨Gram_h z_i^(h), v_j⟩`` with ``z_i^(h) = Σ_j α_ij v_j``.
 
-The distance measure (an L1 norm) is the one exception; :func:`distance` walks the
-queries in sub-blocks so that memory stays under ``max_elements``.
+The distance measure (an L1 norm) is the one exception; :func:`.distance.distance`, in
+its own module, walks the queries in sub-blocks so that memory stays under
+``max_elements``. Products with the values run per KV head over its group of query heads
+(:func:`grouped_dot`), so grouped-query layers never copy the values per query head.
 
 Shapes: ``B`` batch, ``H`` query heads, ``G`` KV heads, ``I`` queries in the block,
 ``T`` keys, ``d_h`` head dim, ``d`` model dim; the signatures spell them (lower case) as
@@ -27,9 +29,9 @@ quantity is zero (never NaN or inf) and :attr:`LayerTensors.degenerate` flags th
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import torch
 from jaxtyping import Bool, Float
@@ -50,6 +52,29 @@ def reciprocal(den: Tensor) -> Tensor:
     """``1 / den`` where ``den > 0``, else 0."""
     ok = den > 0
     return torch.where(ok, torch.where(ok, den, torch.ones_like(den)).reciprocal(), 0.0)
+
+
+def grouped_dot(
+    left: Float[Tensor, "b h i dh"], values: Float[Tensor, "b g t dh"], out: Tensor | None = None
+) -> Float[Tensor, "b h i t"]:
+    """``(B, H, I, T)``: ``⟨left_i^(h), v_j^(g(h))⟩`` for every query head, as one product
+    per KV head over its group's rows (no copy of the values per query head); written
+    into ``out`` (contiguous) when given."""
+    b, h, i, dh = left.shape
+    g, t = values.shape[1], values.shape[2]
+    grouped = left.reshape(b, g, (h // g) * i, dh)
+    if out is not None:
+        torch.matmul(grouped, values.transpose(-1, -2), out=out.view(b, g, (h // g) * i, t))
+        return out
+    return (grouped @ values.transpose(-1, -2)).view(b, h, i, t)
+
+
+def value_norms(values: Float[Tensor, "b g t dh"], gram: Float[Tensor, "h dh dh"]) -> Tensor:
+    """``(B, H, T)``: ‖ṽ_j^(h)‖ = sqrt(v_jᵀ Gram_h v_j) for every query head."""
+    b, g, t, dh = values.shape
+    h = gram.shape[0]
+    vg = values[:, :, None] @ gram.view(g, h // g, dh, dh)  # (B, G, H/G, T, d_h)
+    return (vg * values[:, :, None]).sum(-1).clamp_min(0).sqrt().reshape(b, h, t)
 
 
 def split_output_weight(weight: Float[Tensor, "d hd"], num_heads: int) -> Float[Tensor, "h d dh"]:
@@ -76,6 +101,8 @@ class LayerVectors:
         head_states: ``(B, H, I, d_h)`` ``z_i^(h) = Σ_j α_ij v_j`` (:class:`LayerTensors`
             derives them from the probabilities when not given).
         gram: optional precomputed ``(H, d_h, d_h)`` ``W_O^(h)ᵀ W_O^(h)``.
+        value_norm: optional precomputed ``(B, H, T)`` ``‖ṽ_j^(h)‖`` (a key-side vector:
+            callers that walk query blocks compute it once per layer and pass its keys).
     """
 
     def __init__(
@@ -85,6 +112,7 @@ class LayerVectors:
         b_o: Float[Tensor, " d"] | None,
         head_states: Float[Tensor, "b h i dh"] | None = None,
         gram: Float[Tensor, "h dh dh"] | None = None,
+        value_norm: Float[Tensor, "b h t"] | None = None,
     ) -> None:
         h, g = w_o.shape[0], values.shape[1]
         if h % g:
@@ -100,6 +128,8 @@ class LayerVectors:
             self.__dict__["gram"] = gram
         if head_states is not None:
             self.__dict__["head_states"] = head_states
+        if value_norm is not None:
+            self.__dict__["value_norm"] = value_norm
 
     # ---- intermediates ---------------------------------------------------------------
     @cached_property
@@ -131,8 +161,17 @@ class LayerVectors:
     @cached_property
     def output(self) -> Float[Tensor, "b i d"]:
         """``(B, I, d)``: o_i = Σ_h o_i^(h) + b_O (without building every o_i^(h))."""
-        out = torch.einsum("bhid,hed->bie", self.head_states, self.w_o)
+        b, h, i, dh = self.head_states.shape
+        flat = self.head_states.transpose(1, 2).reshape(b, i, h * dh)
+        out = flat @ self.w_o_flat.T
         return out if self.b_o is None else out + self.b_o
+
+    @cached_property
+    def w_o_flat(self) -> Float[Tensor, "d hdh"]:
+        """``(d, H · d_h)``: W_O itself (the heads' blocks side by side), for products that
+        a per-head einsum would run as many small ones."""
+        h, d, dh = self.w_o.shape
+        return self.w_o.permute(1, 0, 2).reshape(d, h * dh)
 
     @cached_property
     def output_norm2(self) -> Float[Tensor, "b i"]:
@@ -156,15 +195,16 @@ class LayerVectors:
     @cached_property
     def value_norm(self) -> Float[Tensor, "b h t"]:
         """``(B, H, T)``: ‖ṽ_j^(h)‖ = sqrt(v_jᵀ Gram_h v_j)."""
-        vg = self.head_values @ self.gram
-        return (vg * self.head_values).sum(-1).clamp_min(0).sqrt()
+        return value_norms(self.values, self.gram)
 
     @cached_property
     def scaled_back(self) -> Float[Tensor, "b h i dh"]:
         """``(B, H, I, d_h)``: W_O^(h)ᵀ o_i / ‖o_i‖² (0 where o_i = 0), so that
         ``⟨o_i, ṽ_j^(h)⟩ / ‖o_i‖² = ⟨·, v_j⟩``."""
         scaled = self.output * self.inv_output_norm2[..., None]
-        return torch.einsum("bie,hed->bhid", scaled, self.w_o)
+        b, i, _ = scaled.shape
+        h, _, dh = self.w_o.shape
+        return (scaled @ self.w_o_flat).view(b, i, h, dh).transpose(1, 2)
 
     @cached_property
     def scaled_head_left(self) -> Float[Tensor, "b h i dh"]:
@@ -220,6 +260,7 @@ class LayerTensors(LayerVectors):
             layer only, so callers that walk query blocks pass it in).
         head_states: optional precomputed ``(B, H, I, d_h)`` ``α @ v`` (the attention
             function has it already; passing it saves one attention-sized product).
+        value_norm: optional precomputed ``(B, H, T)`` ``‖ṽ_j^(h)‖`` of these keys.
 
     All tensors must share one floating dtype (the compute dtype) and device.
     """
@@ -233,6 +274,7 @@ class LayerTensors(LayerVectors):
         valid: Bool[Tensor, "#b i t"],
         gram: Float[Tensor, "h dh dh"] | None = None,
         head_states: Float[Tensor, "b h i dh"] | None = None,
+        value_norm: Float[Tensor, "b h t"] | None = None,
     ) -> None:
         _, h, _, t = probs.shape
         g = values.shape[1]
@@ -243,20 +285,30 @@ class LayerTensors(LayerVectors):
                 f"shape mismatch: probs {tuple(probs.shape)}, values {tuple(values.shape)}, "
                 f"w_o {tuple(w_o.shape)}"
             )
-        super().__init__(values, w_o, b_o, head_states=head_states, gram=gram)
+        super().__init__(
+            values, w_o, b_o, head_states=head_states, gram=gram, value_norm=value_norm
+        )
         self.probs = probs
         self.valid = valid
+        # the scores the probabilities are the softmax of, where capture kept them
+        # (capture.layer.Logits: ln α = s − lse without a log pass)
+        self.logits: Any = None
 
     @cached_property
     def head_states(self) -> Float[Tensor, "b h i dh"]:
         """``(B, H, I, d_h)``: z_i^(h) = Σ_j α_ij v_j (head output before W_O)."""
-        return self.probs @ self.head_values
+        b, h, i, t = self.probs.shape
+        g = self.values.shape[1]
+        grouped = self.probs.reshape(b, g, (h // g) * i, t)
+        return (grouped @ self.values).view(b, h, i, -1)
 
     @cached_property
     def output_dot_values(self) -> Float[Tensor, "b h i t"]:
         """``(B, H, I, T)``: ⟨o_i, ṽ_j^(h)⟩ = ⟨W_O^(h)ᵀ o_i, v_j⟩."""
-        back = torch.einsum("bie,hed->bhid", self.output, self.w_o)
-        return back @ self.head_values.transpose(-1, -2)
+        b, i, _ = self.output.shape
+        h, _, dh = self.w_o.shape
+        back = (self.output @ self.w_o_flat).view(b, i, h, dh).transpose(1, 2)
+        return grouped_dot(back, self.values)
 
     @cached_property
     def output_dot_values_per_norm2(self) -> Float[Tensor, "b h i t"]:
@@ -265,22 +317,43 @@ class LayerTensors(LayerVectors):
         The division is folded into the ``(I, d_h)`` factor :attr:`scaled_back` before
         the product with the values, so it costs no pass over ``I × T``.
         """
-        return self.scaled_back @ self.head_values.transpose(-1, -2)
+        return grouped_dot(self.scaled_back, self.values)
 
     @cached_property
     def head_output_dot_values_per_norm2(self) -> Float[Tensor, "b h i t"]:
         """``(B, H, I, T)``: ⟨o_i^(h), ṽ_j^(h)⟩ / ‖o_i^(h)‖² = ⟨Gram_h z_i^(h), v_j⟩ / ‖o_i^(h)‖²,
         the division folded into the ``(I, d_h)`` factor :attr:`scaled_head_left` as in
         :attr:`output_dot_values_per_norm2`."""
-        return self.scaled_head_left @ self.head_values.transpose(-1, -2)
+        return grouped_dot(self.scaled_head_left, self.values)
+
+    @cached_property
+    def masked_projection(self) -> Float[Tensor, "b h i t"]:
+        """:attr:`output_dot_values_per_norm2` (p) zero where the query may not attend,
+        masked in place: what is read from p there is α·p, zero either way, or masked."""
+        return self.masked_(self.output_dot_values_per_norm2)
 
     def masked(self, x: Float[Tensor, "b h i t"]) -> Float[Tensor, "b h i t"]:
         """Zero ``x`` (``(B, H, I, T)``) where the query cannot attend to the key."""
         return torch.where(self.valid[:, None], x, torch.zeros((), dtype=x.dtype, device=x.device))
 
     def masked_(self, x: Float[Tensor, "b h i t"]) -> Float[Tensor, "b h i t"]:
-        """:meth:`masked` in place, for a tensor the caller has just created."""
-        return x.masked_fill_(~self.valid[:, None], 0)
+        """:meth:`masked` in place, for a tensor the caller has just created: only the
+        keys some query of the block may not attend to are touched (in a causal block,
+        the last few)."""
+        keys = self._masked_keys
+        if keys is not None:
+            x[..., keys].masked_fill_(~self.valid[:, None, :, keys], 0)
+        return x
+
+    @cached_property
+    def _masked_keys(self) -> slice | None:
+        """The range of keys holding every pair the block masks (None: it masks none)."""
+        some = (~self.valid).any(-2).any(0)  # (T,)
+        if not bool(some.any()):
+            return None
+        t = some.shape[0]
+        first = int(some.int().argmax())
+        return slice(first, t - int(some.flip(0).int().argmax()))
 
 
 @dataclass
@@ -317,8 +390,13 @@ def contribution(lt: LayerTensors, out: Tensor | None = None) -> Weights:
 
 
 def intra(lt: LayerTensors, out: Tensor | None = None) -> Weights:
-    """č_ij^(h) = ⟨o_i^(h), α_ij ṽ_j^(h)⟩ / ‖o_i^(h)‖²."""
-    return torch.mul(lt.probs, lt.head_output_dot_values_per_norm2, out=out)
+    """č_ij^(h) = ⟨o_i^(h), α_ij ṽ_j^(h)⟩ / ‖o_i^(h)‖² (the product written where č goes
+    and scaled there: no block of ⟨o_i^(h), ṽ_j⟩ is kept, nothing else reads one)."""
+    if "head_output_dot_values_per_norm2" in lt.__dict__ or (
+        out is not None and not out.is_contiguous()
+    ):
+        return torch.mul(lt.probs, lt.head_output_dot_values_per_norm2, out=out)
+    return grouped_dot(lt.scaled_head_left, lt.values, out=out).mul_(lt.probs)
 
 
 def relative_norm(lt: LayerTensors) -> Weights:
@@ -355,35 +433,12 @@ def projection(lt: LayerTensors, out: Tensor | None = None) -> Weights:
     With ``out`` the product is written there and kept as the layer's cached factor, so
     the contribution and cosine computed after it reuse it.
     """
-    if out is None or "output_dot_values_per_norm2" in lt.__dict__:
+    if out is None or "output_dot_values_per_norm2" in lt.__dict__ or not out.is_contiguous():
         p = lt.output_dot_values_per_norm2
         return lt.masked(p) if out is None else lt.masked_(out.copy_(p))
-    torch.matmul(lt.scaled_back, lt.head_values.transpose(-1, -2), out=out)
+    grouped_dot(lt.scaled_back, lt.values, out=out)
     lt.__dict__["output_dot_values_per_norm2"] = lt.masked_(out)  # later keys hold 0, as α
     return out
-
-
-# Σ_i w_ij over a block of queries, for measures whose sum factorises per key, so that no
-# (B, H, I, T) measure tensor or masked copy is built (faithfulness ranks tokens by these).
-# Each equals the masked column sum of the measure to float rounding where α is 0 outside
-# the mask.
-def attention_column_sums(lt: LayerTensors) -> Float[Tensor, "b h t"]:
-    return lt.probs.sum(-2)  # Σ_i α_ij
-
-
-def vw_column_sums(lt: LayerTensors) -> Float[Tensor, "b h t"]:
-    return lt.value_norm * lt.probs.sum(-2)  # ‖ṽ_j‖ Σ_i α_ij
-
-
-def vw_on_column_sums(lt: LayerTensors) -> Float[Tensor, "b h t"]:
-    # ‖ṽ_j‖ Σ_i α_ij / ‖o_i‖ = ‖ṽ_j‖ · ((1/‖o‖)ᵀ α)_j
-    return lt.value_norm * torch.einsum("bi,bhit->bht", lt.inv_output_norm, lt.probs)
-
-
-def ihc_column_sums(lt: LayerTensors) -> Float[Tensor, "b h t"]:
-    # Σ_i |α_ij ⟨o_i, ṽ_j⟩| / ‖o_i‖²: one elementwise |·| pass, then a weighted column sum
-    dots = (lt.probs * lt.output_dot_values).abs_()
-    return torch.einsum("bi,bhit->bht", lt.inv_output_norm2, dots)
 
 
 # Derived on access, with the arithmetic of the functions above (so bit for bit equal).
@@ -416,41 +471,3 @@ def ihc_from(f: Factors) -> Tensor:
 
 def ihc_from_factor(f: Factors) -> Tensor:
     return contribution_from(f).abs_()
-
-
-def distance(lt: LayerTensors, max_elements: int = 1 << 25) -> Weights:
-    """Ferrando et al. (2022): max(0, ‖o_i‖₁ − ‖o_i − α_ij ṽ_j^(h)‖₁), normalised per query.
-
-    Needs every ``α_ij ṽ_j^(h)`` explicitly; they are built for blocks of (query, head)
-    pairs and key ranges holding at most ``max_elements`` numbers at a time (at least one
-    key's ``B × d``), besides the ``(B, H, T, d)`` projected values themselves.
-    """
-    b, h, i, t = lt.probs.shape
-    d = lt.w_o.shape[1]
-    projected = lt.projected_values
-    out = lt.output
-    out_l1 = out.abs().sum(-1)  # (B, I)
-    # a query whose every D is below the rounding error of the L1 sums gets no weights:
-    # such D are noise (say W_O = 0), and normalising them would invent weights of 1/H
-    noise = out_l1 * (4 * math.sqrt(d) * torch.finfo(out.dtype).eps)  # (B, I)
-    result = torch.empty_like(lt.probs)
-    keys = max(1, min(t, max_elements // max(1, b * d)))  # keys per block, one query and head
-    queries = max(1, min(i, max_elements // max(1, b * h * keys * d)))
-    heads = max(1, min(h, max_elements // max(1, b * queries * keys * d)))
-    for q0 in range(0, i, queries):
-        q1 = min(i, q0 + queries)
-        o_block = out[:, None, q0:q1, None, :]
-        for h0 in range(0, h, heads):
-            h1 = min(h, h0 + heads)
-            for k0 in range(0, t, keys):
-                k1 = min(t, k0 + keys)
-                alpha = lt.probs[:, h0:h1, q0:q1, k0:k1, None]
-                weighted = alpha * projected[:, h0:h1, None, k0:k1]  # (B, h, q, k, d)
-                rest = (o_block - weighted).abs().sum(-1)
-                gain = out_l1[:, None, q0:q1, None] - rest
-                result[:, h0:h1, q0:q1, k0:k1] = gain.clamp_min(0)
-    result = lt.masked_(result)
-    only_noise = result.amax(dim=(1, 3)) <= noise  # (B, I)
-    result = result.masked_fill_(only_noise[:, None, :, None], 0.0)
-    total = result.sum(dim=(1, 3), keepdim=True)
-    return safe_div(result, total)

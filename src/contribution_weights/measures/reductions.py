@@ -172,6 +172,7 @@ class ReductionAccumulator:
         first_query: int,
         w: Float[Tensor, "h i k"],
         first_key: int = 0,
+        log_terms: tuple[Tensor, Tensor, Tensor | None] | None = None,
     ) -> BlockSums | None:
         """Fold in rows ``first_query …`` of layer ``pos``; ``w`` holds keys
         ``first_key … first_key + K − 1`` (the rest are zero: outside a sliding window).
@@ -179,7 +180,8 @@ class ReductionAccumulator:
         Maps are zero where a query may not attend (later keys), so sums over all rows
         are sums over the queries i ≥ j. Returns the block's :class:`~.kernels.BlockSums`
         (sums of ``|w|`` among them) for measures derived from this one (:meth:`add_abs_of`);
-        None for a measure that is not a weight (none follows from one).
+        None for a measure that is not a weight (none follows from one). ``log_terms``: the
+        block's logarithm without taking it (:func:`~.kernels.block_sums`).
         """
         w = w.to(self.results[name].token_sums.dtype)
         m = get_measure(name)
@@ -187,15 +189,18 @@ class ReductionAccumulator:
             self.fold_other(name, pos, first_query, w.sum(-2), w.sum(-1), w[..., 0], first_key)
             return None  # no entropy, no top keys, and no measure follows from it
         k = self.top_slots(name, w.shape[-1])
+        a = w.abs() if m.signed else w
         s = block_sums(
             w,
             signed=m.signed,
             maxima=k > 0 and chunked(w.shape[-1], k),
             col_abs=name in self._followed_by_abs,
+            a=a,
+            log_terms=log_terms,
         )
         top = None
         if k:
-            idx = top_indices(w.abs() if m.signed else w, k, maxima=s.maxima)
+            idx = top_indices(a, k, maxima=s.maxima)
             top = idx, w.gather(-1, idx)
         self.fold(name, pos, first_query, s, top, first_key)
         return s
@@ -312,7 +317,7 @@ class ReductionAccumulator:
         rows = slice(first_query, first_query + base_block.shape[-2])
         keys = slice(first_key, first_key + base_block.shape[-1])
         s = scale.to(r.token_sums.dtype)
-        r.token_sums[pos, :, keys] += torch.einsum("hik,i->hk", base_block.to(s.dtype), s)
+        r.token_sums[pos, :, keys] += s @ base_block.to(s.dtype)
         for field in ("first", "row_sum"):
             getattr(r, field)[pos, :, rows] = getattr(b, field)[pos, :, rows] * s
         self._follow(r, b, pos, rows, lambda values: values * s[:, None])
@@ -336,6 +341,33 @@ class ReductionAccumulator:
         r.first[pos, :, rows] = b.first[pos, :, rows].abs()
         r.row_sum[pos, :, rows] = base_sums.rest_total + base_sums.first
         self._follow(r, b, pos, rows, torch.abs)
+
+    def add_scaled_block(
+        self,
+        name: str,
+        pos: int,
+        first_query: int,
+        block: Float[Tensor, "h i k"],
+        query_factor: Float[Tensor, " i"] | None,
+        key_factor: Float[Tensor, "h k"] | None,
+        first_key: int = 0,
+    ) -> None:
+        """Fold a measure that is not a weight, ``query_i · block_ij · key_j`` (zero where
+        the query may not attend; a factor None is 1), from matrix–vector products on the
+        block: its map is never built."""
+        dtype = self.results[name].token_sums.dtype
+        b = block.to(dtype)
+        q = None if query_factor is None else query_factor.to(dtype)
+        k = None if key_factor is None else key_factor.to(dtype)
+        col = b.sum(-2) if q is None else q @ b
+        # (1, K) · (K, I) per head: the orientation in which the product is one fast pass
+        row = b.sum(-1) if k is None else torch.bmm(k[:, None, :], b.transpose(1, 2))[:, 0]
+        first = b[..., 0]
+        if k is not None:
+            col, first = col * k, first * k[:, :1]
+        if q is not None:
+            row, first = row * q, first * q
+        self.fold_other(name, pos, first_query, col, row, first, first_key)
 
     def add_rank_one(
         self,

@@ -24,7 +24,8 @@ A measure carries its own algebra, so nothing elsewhere lists measure names:
   from which every requested measure can be read, :func:`stored_measures`);
 * ``algebra``: how its reductions follow from another measure's block without computing
   it (:class:`RowScaled`: ``vw_on = vw / ‖o_i‖``; :class:`AbsoluteOf`: ``ihc = |ĉ|``;
-  :class:`RankOne`: ``relative_norm = ‖ṽ_j‖ · 1/‖o_i‖``);
+  :class:`RankOne`: ``relative_norm = ‖ṽ_j‖ · 1/‖o_i‖``; :class:`ScaledBlock`:
+  ``cosine = ‖o_i‖ · p · 1/‖ṽ_j‖``, summed by matrix–vector products on ``p``);
 * ``column_sums``: Σ_i w_ij per key without the map (faithfulness ranks tokens by these);
 * ``half_precision``: whether float16 storage can hold it (``projection`` is unbounded);
 * ``factor``: a map several measures are read from, preferred when the planner must choose;
@@ -45,8 +46,9 @@ from torch import Tensor
 
 from ..defaults import BASELINES, END_TO_END_RANKINGS
 from ..registry import Registry
-from . import layer
-from .layer import Factors, LayerTensors, LayerVectors, safe_div
+from . import layer, shortcuts
+from .distance import distance
+from .layer import Factors, LayerTensors, LayerVectors, reciprocal, safe_div
 
 
 def _per_query_sum(w: Float[Tensor, "*lead h i t"]) -> Float[Tensor, "*lead h i t"]:
@@ -95,7 +97,25 @@ class RankOne:
     query_factor: Callable[[LayerVectors], Tensor]
 
 
-Algebra = RowScaled | AbsoluteOf | RankOne
+@dataclass(frozen=True)
+class ScaledBlock:
+    """The measure, not a weight, is ``query_factor(lt)_i · block(lt)_ij · key_factor(lt)_j``
+    for a ``(B, H, I, T)`` block the layer's tensors hold anyway, zero where the query may
+    not attend (factors ``(B, I)`` and ``(B, H, T)``; None: 1). A measure that is not a
+    weight keeps only its column sums, row sums and ``w_i0``: matrix–vector products on
+    that block, so no map of its own is built."""
+
+    block: Callable[[LayerTensors], Tensor]
+    query_factor: Callable[[LayerTensors], Tensor] | None = None
+    key_factor: Callable[[LayerTensors], Tensor] | None = None
+
+    def parts(self, lt: LayerTensors) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """The block ``(H, I, K)`` and the factors of batch row 0."""
+        q, k = self.query_factor, self.key_factor
+        return self.block(lt)[0], None if q is None else q(lt)[0], None if k is None else k(lt)[0]
+
+
+Algebra = RowScaled | AbsoluteOf | RankOne | ScaledBlock
 
 
 @dataclass(frozen=True)
@@ -128,6 +148,9 @@ class Measure:
         algebra: how its reductions follow from another measure's (module docstring).
         column_sums: ``LayerTensors -> (B, H, T)`` Σ_i w_ij per key without the map, where
             the sum factorises (used to rank tokens; None: the map is summed).
+        log_terms: ``LayerTensors -> (s, lse, c)`` with ``ln w_ij = s_ij − lse_i + c_j``
+            (batch row 0; ``c`` may be None), known from the scores capture kept, so the
+            entropies take no logarithm; None where no scores were kept.
         half_precision: float16 storage can hold it.
         factor: a map other measures are read from; preferred by the storage planner.
         style: colour, marker and label in figures (None: the next colour of the cycle).
@@ -144,6 +167,7 @@ class Measure:
     writes_out: bool = False
     algebra: Algebra | None = None
     column_sums: Callable[[LayerTensors], Tensor] | None = None
+    log_terms: Callable[[LayerTensors], tuple[Tensor, Tensor, Tensor | None] | None] | None = None
     half_precision: bool = True
     factor: bool = False
     style: Style | None = None
@@ -222,7 +246,8 @@ for _m in (
         "attention probability α",
         _divide_by_heads,
         writes_out=True,
-        column_sums=layer.attention_column_sums,
+        column_sums=shortcuts.attention_column_sums,
+        log_terms=shortcuts.attention_log_terms,
         style=Style("tab:blue", "o"),
     ),
     Measure(
@@ -260,6 +285,11 @@ for _m in (
         signed=True,
         recipes=(_COSINE,),
         writes_out=True,
+        algebra=ScaledBlock(
+            lambda lt: lt.masked_projection,
+            lambda lt: lt.output_norm,
+            lambda lt: reciprocal(lt.value_norm),
+        ),
         style=Style("tab:olive", "*"),
     ),
     Measure(
@@ -269,7 +299,8 @@ for _m in (
         _per_query_sum,
         recipes=(_VW,),
         derived_only=True,
-        column_sums=layer.vw_column_sums,
+        column_sums=shortcuts.vw_column_sums,
+        log_terms=shortcuts.vw_log_terms,
         style=Style("tab:orange", "s"),
     ),
     Measure(
@@ -280,12 +311,12 @@ for _m in (
         recipes=(_VW_ON,),
         derived_only=True,
         algebra=RowScaled("vw", lambda lt: lt.inv_output_norm),
-        column_sums=layer.vw_on_column_sums,
+        column_sums=shortcuts.vw_on_column_sums,
         style=Style("tab:green", "^"),
     ),
     Measure(
         "distance",
-        layer.distance,
+        distance,
         "distance-based (Ferrando et al. 2022); T²·d per head, only when named",
         _as_is,
         in_all=False,
@@ -300,7 +331,7 @@ for _m in (
         derived_only=True,
         in_all=False,
         algebra=AbsoluteOf("contribution"),
-        column_sums=layer.ihc_column_sums,
+        column_sums=shortcuts.ihc_column_sums,
         style=Style("tab:red", "D"),
     ),
     Measure(
@@ -312,6 +343,7 @@ for _m in (
         writes_out=True,
         half_precision=False,  # p = r·κ is unbounded as ‖o_i‖ → 0
         factor=True,
+        algebra=ScaledBlock(lambda lt: lt.masked_projection),
         style=Style("tab:gray", "x"),
     ),
 ):

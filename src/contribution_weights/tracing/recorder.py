@@ -28,7 +28,14 @@ from ..measures.reductions import (
     follows,
     top_indices,
 )
-from ..measures.registry import AbsoluteOf, RankOne, RowScaled, get_measure, stored_measures
+from ..measures.registry import (
+    AbsoluteOf,
+    RankOne,
+    RowScaled,
+    ScaledBlock,
+    get_measure,
+    stored_measures,
+)
 from .storage import MapStore, is_causal
 
 
@@ -195,11 +202,15 @@ class TraceRecorder:
                 red.add_rank_one(name, pos, q0, key_f, query_f, lt.valid[0], k0)
             elif follows(name, self.measures) is not None:
                 later.append((name, algebra))
+            elif isinstance(algebra, ScaledBlock) and name not in computed:
+                red.add_scaled_block(name, pos, q0, *algebra.parts(lt), k0)
             else:
+                measure = get_measure(name)
                 w = computed.get(name)
                 if w is None:
-                    w = get_measure(name).compute(lt)[0]
-                sums[name] = red.add(name, pos, q0, w, k0)
+                    w = measure.compute(lt)[0]
+                terms = None if measure.log_terms is None else measure.log_terms(lt)
+                sums[name] = red.add(name, pos, q0, w, k0, log_terms=terms)
                 blocks[name] = w
         for name, algebra in later:
             assert isinstance(algebra, RowScaled | AbsoluteOf)
