@@ -114,3 +114,23 @@ def test_a_numbered_table_block_takes_only_that_table(tmp_path):
     page.write_text("<!-- generated: docs/results/run.md (table 3) -->\n<!-- end generated -->\n")
     with pytest.raises(generated.GeneratedError, match="holds 2 Markdown tables, not 3"):
         generated.refresh(repo)
+
+
+def test_a_json_block_is_one_row_per_key(tmp_path):
+    (tmp_path / "summary.json").write_text(
+        '{"attention": {"entropy": 1.41279, "first": 0.5}, "vw": {"entropy": 2.0, "first": 1}}'
+    )
+    page = tmp_path / "README.md"
+    page.write_text(
+        "<!-- generated: summary.json columns=first,entropy -->\nstale\n<!-- end generated -->\n"
+    )
+    assert generated.refresh(tmp_path) == [page]
+    assert page.read_text().splitlines()[1:5] == [
+        "|  | first | entropy |",
+        "| --- | ---: | ---: |",
+        "| attention | 0.5 | 1.413 |",
+        "| vw | 1 | 2 |",
+    ]
+    (tmp_path / "summary.json").write_text("[1, 2]")
+    with pytest.raises(generated.GeneratedError, match="object of objects"):
+        generated.refresh(tmp_path)

@@ -12,9 +12,11 @@ lines that start with ``|``), leaving out a header such as the machine line of a
 benchmark; ``(table N)`` takes only the file's N-th table (1 for the first), for a file
 that holds several. A ``.csv`` file (a run's summary) becomes a Markdown table of its rows, numbers
 to four significant digits; ``<!-- generated: PATH.csv columns=a,b,c -->`` keeps those
-columns, in that order. :func:`refresh` rewrites each block from its file (``cw results``
-calls it); :func:`stale` names the pages whose blocks differ from their files, which a
-test checks, so no number in a marked block is typed by hand or drifts from its run.
+columns, in that order. A ``.json`` object of objects (a trace's ``summary.json``) becomes
+a table with one row per key, the same way. :func:`refresh` rewrites each block from
+its file (``cw results`` calls it); :func:`stale` names the pages whose blocks differ
+from their files, which a test checks, so no number in a marked block is typed by hand or
+drifts from its run.
 :func:`handwritten_lines` counts a page's lines outside its blocks (the docs' budget of
 hand-written text).
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import re
 from pathlib import Path
 
@@ -50,7 +53,12 @@ def _cell(value: str) -> str:
 
 def csv_table(source: Path, columns: list[str] | None = None) -> str:
     """A CSV file's rows as a Markdown table (``columns``: those, in that order)."""
-    rows = list(csv.DictReader(io.StringIO(source.read_text())))
+    return csv_table_text(source.read_text(), source, columns)
+
+
+def csv_table_text(text: str, source: Path, columns: list[str] | None = None) -> str:
+    """:func:`csv_table` of CSV ``text`` read from ``source`` (named in errors)."""
+    rows = list(csv.DictReader(io.StringIO(text)))
     names = columns or (list(rows[0]) if rows else [])
     if not rows or not names:
         raise GeneratedError(f"{source} holds no rows")
@@ -62,6 +70,21 @@ def csv_table(source: Path, columns: list[str] | None = None) -> str:
     lines.append("| " + " | ".join("---:" if n else "---" for n in numeric) + " |")
     lines += ["| " + " | ".join(_cell(row[name]) for name in names) + " |" for row in rows]
     return "\n".join(lines) + "\n"
+
+
+def json_table(source: Path, columns: list[str] | None = None) -> str:
+    """A JSON object of objects (a trace's ``summary.json``: one object per measure) as a
+    Markdown table, one row per key, numbers as :func:`csv_table` writes them."""
+    data = json.loads(source.read_text())
+    if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+        raise GeneratedError(f"{source} is not a JSON object of objects (one per row)")
+    fields = columns or sorted({name for row in data.values() for name in row}, key=str)
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(["", *fields])
+    for key, row in data.items():
+        writer.writerow([key, *(row.get(name, "") for name in fields)])
+    return csv_table_text(buffer.getvalue(), source, ["", *fields])
 
 
 def _is_number(value: str) -> bool:
@@ -82,6 +105,8 @@ def text_of(
         raise GeneratedError(f"{source}: no such file (the block's `generated:` names it)")
     if source.suffix == ".csv":
         return csv_table(source, columns)
+    if source.suffix == ".json":
+        return json_table(source, columns)
     text = source.read_text()
     if not table:
         return text.rstrip("\n") + "\n"
