@@ -109,7 +109,7 @@ def test_logits_give_the_log_of_the_probabilities():
     scores = torch.randn(1, 2, 3, 9, generator=gen) * 5
     scores[..., 6:] = torch.finfo(torch.float32).min  # masked: α exactly 0
     probs = scores.softmax(-1)
-    g = capture_layer.Logits.of(scores, probs)
+    g = capture_layer.Logits(scores, probs)
     log = g.scores - g.lse[..., None]
     assert torch.allclose(log[..., :6], probs[..., :6].log(), atol=1e-5)
 
@@ -120,7 +120,7 @@ def test_scores_of_minus_infinity_fall_back_to_the_log_pass():
     scores = torch.randn(2, 4, 40, generator=gen) * 3
     scores[..., 30:] = -math.inf
     probs = scores.softmax(-1)
-    g = capture_layer.Logits.of(scores[None], probs[None])
+    g = capture_layer.Logits(scores[None], probs[None])
     fast = block_sums(probs, signed=False, log_terms=(g.scores[0], g.lse[0], None))
     slow = block_sums(probs, signed=False)
     assert torch.isfinite(fast.rest_log).all()

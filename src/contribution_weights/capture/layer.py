@@ -42,20 +42,22 @@ def rows_per_block(rows_of_keys: int, num_keys: int, block_bytes: int) -> int:
 
 @dataclass
 class Logits:
-    """A block's scores ``s`` ``(B, H, I, K)`` (the dtype's minimum where masked) and each
-    row's log-sum-exp ``lse`` ``(B, H, I)``: ``ln α_ij = s_ij − lse_i`` wherever α_ij > 0."""
+    """A block's scores ``s`` ``(B, H, I, K)`` (the dtype's minimum where masked) and their
+    softmax ``probs``; :attr:`lse`, each row's log-sum-exp ``(B, H, I)``, is made on first
+    read (observers that never read it cost nothing): ``ln α_ij = s_ij − lse_i`` wherever
+    α_ij > 0."""
 
     scores: Tensor
-    lse: Tensor
+    probs: Tensor
 
-    @classmethod
-    def of(cls, scores: Tensor, probs: Tensor) -> Logits:
-        """From the scores and their softmax: ``lse = s_m − ln α_m`` at each row's largest
-        score, whose probability is the largest (at least 1/K, so its log is well
-        conditioned). A score of ``-inf`` makes a NaN of ``0 · s``: readers check for it."""
-        best = probs.amax(-1)  # two max passes: faster than one that also finds where
-        lse = scores.amax(-1) - torch.log(best.clamp_min(torch.finfo(best.dtype).tiny))
-        return cls(scores, lse)
+    @cached_property
+    def lse(self) -> Tensor:
+        """``s_m − ln α_m`` at each row's largest score, whose probability is the largest
+        (at least 1/K, so its log is well conditioned). A score of ``-inf`` makes a NaN of
+        ``0 · s``: readers check for it."""
+        best = self.probs.amax(-1)  # two max passes: faster than one that also finds where
+        tiny = torch.finfo(best.dtype).tiny
+        return self.scores.amax(-1) - torch.log(best.clamp_min(tiny))
 
 
 @dataclass
@@ -181,7 +183,7 @@ class LayerCall:
             probs = nn.functional.softmax(scores, dim=-1).type(self.value.dtype)
         if scores.dtype != torch.float32 or probs.dtype != torch.float32:
             return probs, None
-        return probs, Logits.of(scores, probs)
+        return probs, Logits(scores, probs)
 
     def _causal_block(self, rows: slice, keys: slice, dtype: torch.dtype) -> Tensor:
         """``(1, 1, I, K)`` additive causal mask of a block (0 where key ≤ query, else the
