@@ -127,8 +127,8 @@ class CaptureSession:
                     probs = probs * scale[:, :, None, :].to(probs.dtype)
                 # the block's α·v is the layer's own unless values were replaced
                 states = block if replaced is None else None
-                if scale is not None or edit is not None:
-                    logits = None  # the probabilities shown are no longer their softmax
+                if edit is not None:
+                    logits = None  # the probabilities shown may no longer be their softmax
                 shown = LayerBlock(call, rows, probs, keys=keys, states=states, logits=logits)
                 try:
                     for observer in watching:

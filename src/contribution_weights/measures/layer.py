@@ -54,19 +54,27 @@ def reciprocal(den: Tensor) -> Tensor:
     return torch.where(ok, torch.where(ok, den, torch.ones_like(den)).reciprocal(), 0.0)
 
 
+def grouped_product(
+    left: Float[Tensor, "b h i n"], right: Float[Tensor, "b g n m"], out: Tensor | None = None
+) -> Float[Tensor, "b h i m"]:
+    """``(B, H, I, M)``: ``left^(h) @ right^(g(h))`` for every query head, as one product
+    per KV head over its group's rows (no copy of ``right`` per query head); written into
+    ``out`` (contiguous) when given."""
+    b, h, i, n = left.shape
+    g, m = right.shape[1], right.shape[-1]
+    grouped = left.reshape(b, g, (h // g) * i, n)
+    if out is not None:
+        torch.matmul(grouped, right, out=out.view(b, g, (h // g) * i, m))
+        return out
+    return (grouped @ right).view(b, h, i, m)
+
+
 def grouped_dot(
     left: Float[Tensor, "b h i dh"], values: Float[Tensor, "b g t dh"], out: Tensor | None = None
 ) -> Float[Tensor, "b h i t"]:
-    """``(B, H, I, T)``: ``⟨left_i^(h), v_j^(g(h))⟩`` for every query head, as one product
-    per KV head over its group's rows (no copy of the values per query head); written
-    into ``out`` (contiguous) when given."""
-    b, h, i, dh = left.shape
-    g, t = values.shape[1], values.shape[2]
-    grouped = left.reshape(b, g, (h // g) * i, dh)
-    if out is not None:
-        torch.matmul(grouped, values.transpose(-1, -2), out=out.view(b, g, (h // g) * i, t))
-        return out
-    return (grouped @ values.transpose(-1, -2)).view(b, h, i, t)
+    """``(B, H, I, T)``: ``⟨left_i^(h), v_j^(g(h))⟩`` for every query head
+    (:func:`grouped_product` with the values transposed)."""
+    return grouped_product(left, values.transpose(-1, -2), out=out)
 
 
 def value_norms(values: Float[Tensor, "b g t dh"], gram: Float[Tensor, "h dh dh"]) -> Tensor:
@@ -201,10 +209,13 @@ class LayerVectors:
     def scaled_back(self) -> Float[Tensor, "b h i dh"]:
         """``(B, H, I, d_h)``: W_O^(h)ᵀ o_i / ‖o_i‖² (0 where o_i = 0), so that
         ``⟨o_i, ṽ_j^(h)⟩ / ‖o_i‖² = ⟨·, v_j⟩``."""
-        scaled = self.output * self.inv_output_norm2[..., None]
-        b, i, _ = scaled.shape
+        return self.back_projected(self.output * self.inv_output_norm2[..., None])
+
+    def back_projected(self, x: Float[Tensor, "b i d"]) -> Float[Tensor, "b h i dh"]:
+        """``(B, H, I, d_h)``: W_O^(h)ᵀ x_i for every head, as one product with W_O."""
+        b, i, _ = x.shape
         h, _, dh = self.w_o.shape
-        return (scaled @ self.w_o_flat).view(b, i, h, dh).transpose(1, 2)
+        return (x @ self.w_o_flat).view(b, i, h, dh).transpose(1, 2)
 
     @cached_property
     def scaled_head_left(self) -> Float[Tensor, "b h i dh"]:
@@ -297,18 +308,12 @@ class LayerTensors(LayerVectors):
     @cached_property
     def head_states(self) -> Float[Tensor, "b h i dh"]:
         """``(B, H, I, d_h)``: z_i^(h) = Σ_j α_ij v_j (head output before W_O)."""
-        b, h, i, t = self.probs.shape
-        g = self.values.shape[1]
-        grouped = self.probs.reshape(b, g, (h // g) * i, t)
-        return (grouped @ self.values).view(b, h, i, -1)
+        return grouped_product(self.probs, self.values)
 
     @cached_property
     def output_dot_values(self) -> Float[Tensor, "b h i t"]:
         """``(B, H, I, T)``: ⟨o_i, ṽ_j^(h)⟩ = ⟨W_O^(h)ᵀ o_i, v_j⟩."""
-        b, i, _ = self.output.shape
-        h, _, dh = self.w_o.shape
-        back = (self.output @ self.w_o_flat).view(b, i, h, dh).transpose(1, 2)
-        return grouped_dot(back, self.values)
+        return grouped_dot(self.back_projected(self.output), self.values)
 
     @cached_property
     def output_dot_values_per_norm2(self) -> Float[Tensor, "b h i t"]:
