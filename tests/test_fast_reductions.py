@@ -16,6 +16,7 @@ from contribution_weights.capture import layer as capture_layer
 from contribution_weights.measures import aggregates
 from contribution_weights.measures.kernels import block_sums
 from contribution_weights.measures.layer import grouped_dot, value_norms
+from contribution_weights.measures.reductions import top_indices
 
 IDS = torch.randint(0, 90, (128,), generator=torch.Generator().manual_seed(3))
 BLOCK = 4 * 128 * 8 * 20  # 20 queries a block: the blocks narrow to their keys
@@ -139,3 +140,28 @@ def test_freed_blocks_are_kept_unless_the_user_opts_out(monkeypatch):
 
     assert allocator.keep_freed_blocks() is sys.platform.startswith("linux")
     allocator.keep_freed_blocks.cache_clear()
+
+
+@pytest.mark.parametrize("chunk_bytes", [3000, 1 << 30])  # chunks of queries, or the usual passes
+def test_signed_blocks_are_summed_in_one_pass(monkeypatch, chunk_bytes):
+    """A signed block larger than a chunk is summed by signed_block_sums (one pass of row
+    chunks, |w| never whole); its sums are the passes' own, its top keys a full topk's."""
+    monkeypatch.setattr(aggregates, "LOG_CHUNK_BYTES", chunk_bytes)
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(3, 13, 1100, generator=gen, dtype=torch.float64)  # 1100 keys: a short last run
+    w[..., 0] += 40.0
+    w[1, 2, 5] = 0.0  # 0 · ln 0 is 0
+    a = w.abs()
+    s = block_sums(w, signed=True, maxima=True, col_abs=True)
+    torch.testing.assert_close(s.col, w.sum(-2))
+    torch.testing.assert_close(s.col_abs, a.sum(-2))
+    torch.testing.assert_close(s.row, w.sum(-1))
+    torch.testing.assert_close(s.rest_total, a[..., 1:].sum(-1))
+    torch.testing.assert_close(s.rest_log, torch.special.xlogy(a[..., 1:], a[..., 1:]).sum(-1))
+    torch.testing.assert_close(s.first, a[..., 0])
+    torch.testing.assert_close(s.first_value, w[..., 0])
+    assert s.maxima is not None and s.maxima.shape[-1] == 35  # 34 runs of 32, then 12 keys
+    torch.testing.assert_close(s.maxima[..., -1], a[..., 1088:].amax(-1))
+    torch.testing.assert_close(s.maxima[..., 3], a[..., 96:128].amax(-1))
+    got = top_indices(w, 8, maxima=s.maxima, signed=True)
+    assert torch.equal(got, torch.topk(a, 8).indices)

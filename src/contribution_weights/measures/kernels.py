@@ -92,12 +92,17 @@ def block_sums(
     """The reference: each sum one torch call. ``signed=False`` promises ``w ≥ 0`` (then
     ``a`` is ``w`` itself and ``col_abs`` is ``col``); ``maxima=False`` skips the chunk
     maxima, ``col_abs=False`` the column sums of ``a`` (only ``|·|`` of a measure needs
-    them: ihc of the contribution). ``a``: ``|w|`` where the caller has it already.
+    them: ihc of the contribution). ``a``: ``|w|`` where the caller has it already; a
+    large signed block without it is summed in one pass that never makes ``|w|`` whole.
     ``log_terms``: ``(s, lse, c)`` with ``ln w_ij = s_ij − lse_i + c_j`` wherever w > 0
     (``(H, I, K)``, ``(H, I)``, ``(H, K)`` or None; a measure's
     :attr:`~.registry.Measure.log_terms`): the entropies' sums then take no logarithm."""
-    from .aggregates import sums_and_a_log_a
+    from .aggregates import LOG_CHUNK_BYTES, signed_block_sums, sums_and_a_log_a
 
+    if signed and a is None and log_terms is None and _one_pass(w, LOG_CHUNK_BYTES):
+        sums = signed_block_sums(w, CHUNK, maxima, col_abs)
+        first_value = w[..., 0]
+        return BlockSums(*sums[:5], first_value.abs(), sums[5], first_value)
     if a is None:
         a = w.abs() if signed else w
     logits = None if log_terms is None else (log_terms[0][..., 1:], log_terms[1])
@@ -122,6 +127,13 @@ def block_sums(
         maxima=chunk_maxima(a) if maxima else None,
         first_value=w[..., 0],
     )
+
+
+def _one_pass(w: Tensor, chunk_bytes: int) -> bool:
+    """Whether a block is summed in one pass of cached row chunks
+    (:func:`~.aggregates.signed_block_sums`): a 3-d block, larger than a chunk, outside
+    autograd."""
+    return w.dim() == 3 and not w.requires_grad and w.numel() * w.element_size() > chunk_bytes
 
 
 def fused_block_sums(w: Float[Tensor, "h i k"]) -> tuple[Tensor, ...]:

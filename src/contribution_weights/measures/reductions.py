@@ -189,18 +189,16 @@ class ReductionAccumulator:
             self.fold_other(name, pos, first_query, w.sum(-2), w.sum(-1), w[..., 0], first_key)
             return None  # no entropy, no top keys, and no measure follows from it
         k = self.top_slots(name, w.shape[-1])
-        a = w.abs() if m.signed else w
         s = block_sums(
             w,
             signed=m.signed,
             maxima=k > 0 and chunked(w.shape[-1], k),
             col_abs=name in self._followed_by_abs,
-            a=a,
             log_terms=log_terms,
         )
         top = None
         if k:
-            idx = top_indices(a, k, maxima=s.maxima)
+            idx = top_indices(w, k, maxima=s.maxima, signed=m.signed)
             top = idx, w.gather(-1, idx)
         self.fold(name, pos, first_query, s, top, first_key)
         return s
@@ -397,9 +395,14 @@ def chunked(num_keys: int, k: int, chunk: int = CHUNK) -> bool:
 
 
 def top_indices(
-    a: Float[Tensor, "*lead t"], k: int, chunk: int = CHUNK, maxima: Tensor | None = None
+    a: Float[Tensor, "*lead t"],
+    k: int,
+    chunk: int = CHUNK,
+    maxima: Tensor | None = None,
+    signed: bool = False,
 ) -> Tensor:
-    """Indices of the ``k`` largest entries of each row of ``a`` (≥ 0), largest first.
+    """Indices of the ``k`` largest entries of each row of ``a`` (≥ 0), largest first;
+    ``signed``: of ``|a|`` (the maxima, if given, are of ``|a|``), without making it.
 
     For long rows (:func:`chunked`), the rows are cut into chunks of ``chunk`` keys (the
     last may be shorter) and only the ``k`` chunks with the largest maxima are searched:
@@ -409,12 +412,15 @@ def top_indices(
     replaces most of a full ``topk``.
     """
     t = a.shape[-1]
-    if not chunked(t, k, chunk):
-        return torch.topk(a, k, dim=-1).indices
+    if not chunked(t, k, chunk) or (signed and maxima is None):
+        return top_indices(a.abs(), k, chunk, maxima) if signed else torch.topk(a, k).indices
     if maxima is None:
         maxima = chunk_maxima(a, chunk)
     cols, inside = chunk_candidates(maxima, k, t, chunk)
-    candidates = a.gather(-1, cols).masked_fill_(~inside, -1.0)  # (…, k · chunk), a ≥ 0
+    candidates = a.gather(-1, cols)
+    if signed:
+        candidates.abs_()
+    candidates.masked_fill_(~inside, -1.0)  # (…, k · chunk), ≥ 0
     pick = torch.topk(candidates, k, dim=-1).indices
     return cols.gather(-1, pick)
 
