@@ -97,7 +97,7 @@ def block_sums(
     ``log_terms``: ``(s, lse, c)`` with ``ln w_ij = s_ij − lse_i + c_j`` wherever w > 0
     (``(H, I, K)``, ``(H, I)``, ``(H, K)`` or None; a measure's
     :attr:`~.registry.Measure.log_terms`): the entropies' sums then take no logarithm."""
-    from .aggregates import LOG_CHUNK_BYTES, signed_block_sums, sums_and_a_log_a
+    from .aggregates import LOG_CHUNK_BYTES, sums_and_a_log_a
 
     if signed and a is None and log_terms is None and _one_pass(w, LOG_CHUNK_BYTES):
         sums = signed_block_sums(w, CHUNK, maxima, col_abs)
@@ -131,9 +131,51 @@ def block_sums(
 
 def _one_pass(w: Tensor, chunk_bytes: int) -> bool:
     """Whether a block is summed in one pass of cached row chunks
-    (:func:`~.aggregates.signed_block_sums`): a 3-d block, larger than a chunk, outside
+    (:func:`signed_block_sums`): a 3-d block, larger than a chunk, outside
     autograd."""
     return w.dim() == 3 and not w.requires_grad and w.numel() * w.element_size() > chunk_bytes
+
+
+def signed_block_sums(
+    w: Float[Tensor, "h i t"], chunk: int, maxima: bool, col_abs: bool
+) -> tuple[Tensor, Tensor | None, Tensor, Tensor, Tensor, Tensor | None]:
+    """For a signed block ``w`` ``(H, I, T)`` and ``a = |w|``, in one pass over the
+    block: Σ_i w_ij and (``col_abs``) Σ_i a_ij ``(H, T)``; Σ_j w_ij, Σ_{j≥1} a_ij and
+    Σ_{j≥1} a_ij ln a_ij ``(H, I)``; and (``maxima``) the maxima of a over runs of
+    ``chunk`` keys ``(H, I, ⌈T / chunk⌉)`` (:func:`chunk_maxima`).
+
+    The queries are taken :data:`~.aggregates.LOG_CHUNK_BYTES` at a time (every head's rows): |w|
+    goes into one reused buffer and every sum reads it while it is still in cache, so
+    the block is read from memory once and ``|w|`` is never made whole (a third faster
+    than a pass per sum on a 9 × 56 × 8,192 block, one thread)."""
+    h, i, t = w.shape
+    from .aggregates import LOG_CHUNK_BYTES
+
+    tiny = torch.finfo(w.dtype).tiny
+    step = max(1, LOG_CHUNK_BYTES // max(1, h * t * w.element_size()))
+    col = w.new_zeros(h, t)
+    col_a = w.new_zeros(h, t) if col_abs else None
+    row, rest_total, rest_log = (w.new_empty(h, i) for _ in range(3))
+    peaks = w.new_empty(h, i, -(-t // chunk)) if maxima else None
+    buf_a = w.new_empty(h, min(step, i), t)
+    buf_log = w.new_empty(h, min(step, i), t - 1)
+    part = w.new_empty(h, t)
+    for r in range(0, i, step):
+        q = slice(r, r + step)
+        rows = w[:, q]
+        n = rows.shape[1]
+        a = torch.abs(rows, out=buf_a[:, :n])
+        col += torch.sum(rows, 1, out=part)
+        if col_a is not None:
+            col_a += torch.sum(a, 1, out=part)
+        torch.sum(rows, -1, out=row[:, q])
+        rest = a[..., 1:]
+        torch.sum(rest, -1, out=rest_total[:, q])
+        log2 = torch.clamp_min(rest, tiny, out=buf_log[:, :n]).log2_()
+        rest_log[:, q] = torch.linalg.vecdot(rest, log2)
+        if peaks is not None:
+            peaks[:, q] = chunk_maxima(a, chunk)
+    return col, col_a, row, rest_total, rest_log * math.log(2), peaks
 
 
 def fused_block_sums(w: Float[Tensor, "h i k"]) -> tuple[Tensor, ...]:

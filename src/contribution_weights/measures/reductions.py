@@ -412,8 +412,10 @@ def top_indices(
     replaces most of a full ``topk``.
     """
     t = a.shape[-1]
-    if not chunked(t, k, chunk) or (signed and maxima is None):
-        return top_indices(a.abs(), k, chunk, maxima) if signed else torch.topk(a, k).indices
+    if signed and (maxima is None or not chunked(t, k, chunk)):
+        a, signed = a.abs(), False  # |a| made whole: its maxima are to come, or rows are short
+    if not chunked(t, k, chunk):
+        return torch.topk(a, k, dim=-1).indices
     if maxima is None:
         maxima = chunk_maxima(a, chunk)
     cols, inside = chunk_candidates(maxima, k, t, chunk)
