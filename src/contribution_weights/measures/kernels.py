@@ -100,9 +100,7 @@ def block_sums(
     from .aggregates import LOG_CHUNK_BYTES, sums_and_a_log_a
 
     if signed and a is None and log_terms is None and _one_pass(w, LOG_CHUNK_BYTES):
-        sums = signed_block_sums(w, CHUNK, maxima, col_abs)
-        first_value = w[..., 0]
-        return BlockSums(*sums[:5], first_value.abs(), sums[5], first_value)
+        return signed_block_sums(w, CHUNK, maxima, col_abs, LOG_CHUNK_BYTES)
     if a is None:
         a = w.abs() if signed else w
     logits = None if log_terms is None else (log_terms[0][..., 1:], log_terms[1])
@@ -137,22 +135,20 @@ def _one_pass(w: Tensor, chunk_bytes: int) -> bool:
 
 
 def signed_block_sums(
-    w: Float[Tensor, "h i t"], chunk: int, maxima: bool, col_abs: bool
-) -> tuple[Tensor, Tensor | None, Tensor, Tensor, Tensor, Tensor | None]:
-    """For a signed block ``w`` ``(H, I, T)`` and ``a = |w|``, in one pass over the
-    block: Σ_i w_ij and (``col_abs``) Σ_i a_ij ``(H, T)``; Σ_j w_ij, Σ_{j≥1} a_ij and
-    Σ_{j≥1} a_ij ln a_ij ``(H, I)``; and (``maxima``) the maxima of a over runs of
+    w: Float[Tensor, "h i t"], chunk: int, maxima: bool, col_abs: bool, chunk_bytes: int
+) -> BlockSums:
+    """:func:`block_sums` of a signed block ``w`` ``(H, I, T)`` (``a = |w|``) in one pass
+    over the block: Σ_i w_ij and (``col_abs``) Σ_i a_ij ``(H, T)``; Σ_j w_ij, Σ_{j≥1} a_ij
+    and Σ_{j≥1} a_ij ln a_ij ``(H, I)``; and (``maxima``) the maxima of a over runs of
     ``chunk`` keys ``(H, I, ⌈T / chunk⌉)`` (:func:`chunk_maxima`).
 
-    The queries are taken :data:`~.aggregates.LOG_CHUNK_BYTES` at a time (every head's rows): |w|
-    goes into one reused buffer and every sum reads it while it is still in cache, so
-    the block is read from memory once and ``|w|`` is never made whole (a third faster
-    than a pass per sum on a 9 × 56 × 8,192 block, one thread)."""
+    The queries are taken ``chunk_bytes`` at a time (every head's rows): |w| goes into one
+    reused buffer and every sum reads it while it is still in cache, so the block is read
+    from memory once and ``|w|`` is never made whole (a third faster than a pass per sum
+    on a 9 × 56 × 8,192 block, one thread)."""
     h, i, t = w.shape
-    from .aggregates import LOG_CHUNK_BYTES
-
     tiny = torch.finfo(w.dtype).tiny
-    step = max(1, LOG_CHUNK_BYTES // max(1, h * t * w.element_size()))
+    step = max(1, chunk_bytes // max(1, h * t * w.element_size()))
     col = w.new_zeros(h, t)
     col_a = w.new_zeros(h, t) if col_abs else None
     row, rest_total, rest_log = (w.new_empty(h, i) for _ in range(3))
@@ -175,7 +171,10 @@ def signed_block_sums(
         rest_log[:, q] = torch.linalg.vecdot(rest, log2)
         if peaks is not None:
             peaks[:, q] = chunk_maxima(a, chunk)
-    return col, col_a, row, rest_total, rest_log * math.log(2), peaks
+    first_value = w[..., 0]
+    return BlockSums(
+        col, col_a, row, rest_total, rest_log * math.log(2), first_value.abs(), peaks, first_value
+    )
 
 
 def fused_block_sums(w: Float[Tensor, "h i k"]) -> tuple[Tensor, ...]:
